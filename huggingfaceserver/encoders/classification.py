@@ -1,0 +1,109 @@
+"""sequence_classification and token_classification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from kserve.protocol.infer_type import InferOutput
+from transformers import BatchEncoding
+
+from ..tasks import Task
+from .base import EncoderTask, bytes_output, lengths, pad_rows, tensor_output
+
+PADDING_LABEL = -1
+"""Fills the V2 token-label tensor past an instance's last token (instances differ in length)."""
+
+
+class SequenceClassification(EncoderTask):
+    """V1: a class index per instance (or label, or score dict)."""
+
+    task = Task.sequence_classification
+    auto_model = "AutoModelForSequenceClassification"
+
+    def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        if self.options.scores:
+            return [self.score_dict(row) for row in raw]
+        classes = raw.argmax(dim=-1).tolist()
+        if self.options.return_labels:
+            return [self.label_key(c) for c in classes]
+        return classes
+
+    def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        if self.options.scores or self.options.return_labels:
+            return [bytes_output("output-0", results)]
+        return [tensor_output("output-0", np.array(results, dtype=np.int64), "INT64")]
+
+
+class TokenClassification(EncoderTask):
+    """V1: per instance ``[[label id per token]]`` (the compat nesting), or score dicts.
+
+    With ``--return_offsets_mapping`` each result also carries its tokens' character offsets,
+    which the V1 response returns as an extra top-level ``outputs`` entry.
+    """
+
+    task = Task.token_classification
+    auto_model = "AutoModelForTokenClassification"
+
+    @property
+    def needs_offsets(self) -> bool:  # type: ignore[override]
+        return self.options.return_offsets_mapping
+
+    def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        out: list[Any] = []
+        offsets = batch.get("offset_mapping")
+        for i, (row, length) in enumerate(zip(raw, lengths(batch))):
+            row = row[:length]
+            if self.options.scores:
+                prediction: Any = [self.score_dict(token) for token in row]
+            else:
+                classes = row.argmax(dim=-1).tolist()
+                if self.options.return_labels:
+                    classes = [self.label_key(c) for c in classes]
+                prediction = [classes]
+            if offsets is not None:
+                out.append((prediction, offsets[i][:length].tolist()))
+            else:
+                out.append(prediction)
+        return out
+
+    def _split(self, results: list[Any]) -> tuple[list[Any], list[Any] | None]:
+        if not self.options.return_offsets_mapping:
+            return results, None
+        return [r[0] for r in results], [r[1] for r in results]
+
+    def _offset_output(self, offsets: list[Any]) -> InferOutput:
+        array = np.array(pad_rows(offsets, [0, 0]), dtype=np.int64).reshape(len(offsets), -1, 2)
+        return tensor_output("offset_mapping", array, "INT64")
+
+    def v1_response(self, results: list[Any]) -> dict[str, Any]:
+        predictions, offsets = self._split(results)
+        response: dict[str, Any] = {"predictions": predictions}
+        if offsets is not None:
+            output = self._offset_output(offsets)
+            response["outputs"] = [
+                {
+                    "name": output.name,
+                    "datatype": output.datatype,
+                    "shape": output.shape,
+                    "data": output.data.flatten().tolist(),
+                }
+            ]
+        return response
+
+    def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        predictions, offsets = self._split(results)
+        if self.options.scores:
+            rows = pad_rows(predictions, {})
+            outputs = [bytes_output("output-0", [d for r in rows for d in r], [len(rows), -1])]
+        elif self.options.return_labels:
+            rows = pad_rows([p[0] for p in predictions], "")
+            outputs = [bytes_output("output-0", [v for r in rows for v in r], [len(rows), 1, -1])]
+        else:
+            rows = pad_rows([p[0] for p in predictions], PADDING_LABEL)
+            array = np.array(rows, dtype=np.int64).reshape(len(rows), 1, -1)
+            outputs = [tensor_output("output-0", array, "INT64")]
+        if offsets is not None:
+            outputs.append(self._offset_output(offsets))
+        return outputs

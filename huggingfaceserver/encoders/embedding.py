@@ -1,0 +1,35 @@
+"""text_embedding: one pooled (and usually normalised) vector per instance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from kserve.protocol.infer_type import InferOutput
+from transformers import BatchEncoding, PreTrainedTokenizerBase
+
+from ..loading import ModelSource
+from ..tasks import Task
+from .base import EncoderOptions, EncoderTask, tensor_output
+from .pooling import PoolingConfig, pool
+
+
+class TextEmbedding(EncoderTask):
+    task = Task.text_embedding
+    auto_model = "AutoModel"
+    output_field = "last_hidden_state"
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, source: ModelSource, options: EncoderOptions
+    ):
+        super().__init__(tokenizer, source, options)
+        self.pooling = PoolingConfig.from_sentence_transformers(
+            source.path, source.sentence_transformers_modules
+        )
+
+    def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        return pool(raw.float(), batch["attention_mask"], self.pooling).tolist()
+
+    def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        return [tensor_output("output-0", np.array(results, dtype=np.float32), "FP32")]

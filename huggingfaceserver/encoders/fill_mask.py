@@ -1,0 +1,56 @@
+"""fill_mask: the predicted token(s) at the mask position(s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kserve.protocol.infer_type import InferOutput
+from transformers import BatchEncoding
+
+from ..errors import BadRequest, StartupError
+from ..tasks import Task
+from .base import EncoderTask, bytes_output
+
+
+class FillMask(EncoderTask):
+    """V1: one decoded string per instance (all its masks), or per mask a score dict."""
+
+    task = Task.fill_mask
+    auto_model = "AutoModelForMaskedLM"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.tokenizer.mask_token is None:
+            raise StartupError("fill_mask needs a tokenizer with a mask token; this one has none")
+
+    def check_text(self, index: int, text: str) -> None:
+        if self.tokenizer.mask_token not in text:
+            raise BadRequest(
+                f"instance {index} has no mask token {self.tokenizer.mask_token!r}: {text[:80]!r}"
+            )
+
+    def check_encoding(self, batch: BatchEncoding) -> None:
+        has_mask = (batch["input_ids"] == self.tokenizer.mask_token_id).any(dim=1)
+        for index, present in enumerate(has_mask.tolist()):
+            if not present:
+                raise BadRequest(
+                    f"instance {index}: the mask token was cut off by truncation to "
+                    f"the maximum length ({batch['input_ids'].shape[1]} tokens)"
+                )
+
+    def label_key(self, index: int) -> str:
+        return str(index)  # score dicts are keyed by vocabulary id
+
+    def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        out: list[Any] = []
+        for row, ids in zip(raw, batch["input_ids"]):
+            masked = row[ids == self.tokenizer.mask_token_id]  # [masks, vocab]
+            if self.options.scores:
+                out.append([self.score_dict(logits) for logits in masked])
+            else:
+                out.append(self.tokenizer.decode(masked.argmax(dim=-1).tolist()))
+        return out
+
+    def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        return [bytes_output("output-0", results)]

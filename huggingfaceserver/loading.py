@@ -1,0 +1,160 @@
+"""Where the model is, what it is: location (folder or Hub id), config read once, dtype."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from .cli import ServerConfig
+from .errors import StartupError
+from .tasks import Task, infer_task
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+]
+
+DTYPE_NAMES = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model on local disk, with its config read once."""
+
+    path: Path
+    tokenizer_path: Path
+    config: PretrainedConfig
+    task: Task
+    sentence_transformers_modules: list[dict[str, Any]] | None
+
+
+def _check_folder(path: Path) -> Path:
+    if not path.exists():
+        raise StartupError(f"model folder {path} does not exist")
+    if not path.is_dir():
+        raise StartupError(f"model path {path} is not a folder")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise StartupError(f"model folder {path} is not readable")
+    if not (path / "config.json").is_file():
+        raise StartupError(f"model folder {path} has no config.json")
+    return path
+
+
+def _download(model_id: str, revision: str | None, allow_patterns: list[str] | None) -> Path:
+    """Fetch (or find in the cache) a Hub snapshot; a progress bar shows while downloading."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(model_id, revision=revision, allow_patterns=allow_patterns)
+        )
+    except LocalEntryNotFoundError as exc:
+        raise StartupError(
+            f"model {model_id!r} (revision {revision or 'main'}) is not in the local cache "
+            f"and cannot be downloaded: {exc}".splitlines()[0]
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StartupError(f"cannot fetch model {model_id!r}: {first_line}") from None
+
+
+def locate_model(config: ServerConfig) -> tuple[Path, Path]:
+    """The local folders of the model and of its tokenizer.
+
+    ``--model_id`` wins over ``--model_dir``; a model id that is an existing folder is used
+    as it is. A Hub id is downloaded at ``--model_revision``, and its tokenizer files at
+    ``--tokenizer_revision`` when that differs.
+    """
+    if config.model_id is None:
+        path = _check_folder(Path(config.model_dir))
+        return path, path
+    local = Path(config.model_id)
+    if local.is_dir():
+        path = _check_folder(local)
+        return path, path
+    path = _check_folder(_download(config.model_id, config.model_revision, None))
+    tokenizer_path = path
+    if config.tokenizer_revision not in (None, config.model_revision):
+        tokenizer_path = _download(config.model_id, config.tokenizer_revision, TOKENIZER_FILES)
+    return path, tokenizer_path
+
+
+def read_sentence_transformers_modules(path: Path) -> list[dict[str, Any]] | None:
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StartupError(f"cannot read {modules_file}: {exc}") from None
+    if not isinstance(modules, list):
+        raise StartupError(f"{modules_file} is not a list of modules")
+    return modules
+
+
+def load_source(config: ServerConfig) -> ModelSource:
+    """Locate the model, read its config once and settle its task."""
+    path, tokenizer_path = locate_model(config)
+    try:
+        model_config = AutoConfig.from_pretrained(
+            path, trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartupError(f"cannot read the model config in {path}: {exc}") from None
+    modules = read_sentence_transformers_modules(path)
+    task = config.task or infer_task(model_config.architectures, modules is not None)
+    logger.info(
+        "model %s: architectures %s, task %s%s",
+        path,
+        model_config.architectures,
+        task.value,
+        "" if config.task is None else " (from --task)",
+    )
+    return ModelSource(path, tokenizer_path, model_config, task, modules)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(flag: str, task: Task, on_gpu: bool) -> torch.dtype:
+    """``--dtype``: ``auto`` is float16 on GPU and float32 on CPU; encoders default to float32."""
+    if flag != "auto":
+        return DTYPE_NAMES[flag]
+    if task.is_generative and on_gpu:
+        return torch.float16
+    return torch.float32
+
+
+def load_tokenizer(source: ModelSource, config: ServerConfig) -> PreTrainedTokenizerBase:
+    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if config.encode_lower_case is not None:
+        kwargs["do_lower_case"] = config.encode_lower_case
+    try:
+        return AutoTokenizer.from_pretrained(source.tokenizer_path, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartupError(f"cannot load the tokenizer in {source.tokenizer_path}: {exc}") from None

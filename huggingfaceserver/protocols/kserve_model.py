@@ -1,0 +1,93 @@
+"""The KServe V1/V2 face of an encoder backend: a ``kserve.Model``."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kserve import Model
+from kserve.errors import ModelNotReady
+from kserve.protocol.infer_type import InferRequest, InferResponse
+
+from ..backends.base import EncoderBackend
+from .kserve_inputs import texts_from_v1, texts_from_v2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EncoderCall:
+    """A decoded request on its way through preprocess -> predict -> postprocess."""
+
+    request_id: str
+    texts: list[str]
+    v2: InferRequest | None = None
+    results: list[Any] | None = None
+
+
+@dataclass(frozen=True)
+class RequestLogging:
+    enabled: bool = True
+    max_len: int | None = None
+
+    def line(self, call: EncoderCall, model: str) -> str:
+        shown = repr(call.texts)
+        if self.max_len is not None and len(shown) > self.max_len:
+            shown = shown[: self.max_len] + "..."
+        return f"request {call.request_id} model={model} instances={len(call.texts)} {shown}"
+
+
+class EncoderModel(Model):
+    """Serves an :class:`EncoderBackend` on ``:predict``, V2 ``infer`` and gRPC ``ModelInfer``."""
+
+    def __init__(self, name: str, backend: EncoderBackend, logging_: RequestLogging):
+        super().__init__(name)
+        self.backend = backend
+        self.request_logging = logging_
+
+    def load(self) -> bool:
+        """Loading happens once, in :meth:`load_backend`; kserve may call this on a request."""
+        if not self.ready:
+            raise ModelNotReady(self.name, "The model is still loading.")
+        return True
+
+    def load_backend(self) -> None:
+        """Blocking: load tokenizer and weights, then report ready."""
+        self.backend.load()
+        self.ready = True
+
+    async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> EncoderCall:
+        headers = headers or {}
+        if isinstance(payload, InferRequest):
+            request_id = payload.id or headers.get("x-request-id") or str(uuid.uuid4())
+            call = EncoderCall(request_id, texts_from_v2(payload), v2=payload)
+        else:
+            request_id = headers.get("x-request-id") or str(uuid.uuid4())
+            call = EncoderCall(request_id, texts_from_v1(payload))
+        if self.request_logging.enabled:
+            logger.info("%s", self.request_logging.line(call, self.name))
+        return call
+
+    async def predict(  # type: ignore[override]
+        self, call: EncoderCall, headers: dict[str, str] | None = None
+    ) -> EncoderCall:
+        call.results = await self.backend.infer(call.texts)
+        return call
+
+    async def postprocess(  # type: ignore[override]
+        self,
+        call: EncoderCall,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> dict[str, Any] | InferResponse:
+        assert call.results is not None
+        task = self.backend.task
+        if call.v2 is None:
+            return task.v1_response(call.results)
+        return InferResponse(
+            response_id=call.request_id,
+            model_name=self.name,
+            infer_outputs=task.v2_outputs(call.results),
+        )

@@ -1,0 +1,116 @@
+"""Builds the served model from a :class:`ServerConfig` and runs KServe's ModelServer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from kserve import ModelServer
+from kserve.predictor_config import PredictorConfig
+from kserve.protocol.dataplane import DataPlane
+
+from .backends import choose_backend
+from .backends.transformers import TransformersEncoder
+from .cli import ServerConfig
+from .errors import ServerError, StartupError, server_error_handler, validation_error_handler
+from .loading import load_source
+from .protocols.kserve_model import EncoderModel, RequestLogging
+
+logger = logging.getLogger(__name__)
+
+
+class ModelAwareDataPlane(DataPlane):
+    """``/v2/health/ready`` (and gRPC ServerReady) is true only once every model is loaded."""
+
+    async def ready(self) -> bool:
+        models = list(self.model_registry.get_models().values())
+        return bool(models) and all(m.ready for m in models) and await super().ready()
+
+
+def build_model(config: ServerConfig) -> EncoderModel:
+    """Everything short of loading weights: locate the model, read its config, pick a backend.
+
+    Raises :class:`StartupError` for anything the user must fix, before serving starts.
+    """
+    if config.server.get("workers", 1) > 1:
+        raise StartupError("--workers > 1 is not supported: one process holds the model")
+    source = load_source(config)
+    choice = choose_backend(config.backend, source.task, source.config.architectures or [])
+    logger.info("backend %s: %s", choice.name, choice.reason)
+    if source.task.is_generative:
+        raise StartupError(
+            f"task {source.task.value} is not served by this version; "
+            "encoder tasks are: fill_mask, token_classification, "
+            "sequence_classification, text_embedding"
+        )
+    if choice.name == "vllm":
+        raise StartupError("the vLLM backend does not serve encoder tasks in this version")
+    if config.engine_flags:
+        logger.warning(
+            "ignored with the transformers backend (vLLM engine flags): %s",
+            " ".join(f"--{name}" for name in config.engine_flags),
+        )
+    if config.server.get("predictor_host"):
+        raise StartupError(
+            "--predictor_host (transformer mode) is not supported by this version"
+        )
+    backend = TransformersEncoder(source, config)
+    logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
+    return EncoderModel(config.model_name, backend, logging_)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Our exceptions with their status, and 400 (not 422) for bodies that do not validate."""
+    app.add_exception_handler(ServerError, server_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+
+async def load_in_background(model: EncoderModel) -> None:
+    """Load the weights off the event loop while the server already answers health probes."""
+    await asyncio.to_thread(model.load_backend)
+    logger.info("model %s is ready", model.name)
+
+
+def _model_server(config: ServerConfig) -> ModelServer:
+    s: dict[str, Any] = config.server
+    predictor = PredictorConfig(
+        predictor_host=s["predictor_host"],
+        predictor_protocol=s["predictor_protocol"],
+        predictor_use_ssl=s["predictor_use_ssl"],
+        predictor_request_timeout_seconds=s["predictor_request_timeout_seconds"],
+        predictor_request_retries=s["predictor_request_retries"],
+        predictor_health_check=s["enable_predictor_health_check"],
+    )
+    server = ModelServer(
+        http_port=s["http_port"],
+        grpc_port=s["grpc_port"],
+        workers=s["workers"],
+        max_threads=s["max_threads"],
+        max_asyncio_workers=s["max_asyncio_workers"],
+        enable_grpc=s["enable_grpc"],
+        enable_docs_url=s["enable_docs_url"],
+        enable_latency_logging=s["enable_latency_logging"],
+        access_log_format=s["access_log_format"],
+        event_loop=s["event_loop"],
+        timeout_keep_alive=s["timeout_keep_alive"],
+        predictor_config=predictor,
+        ssl_certfile=s["ssl_certfile"],
+        ssl_keyfile=s["ssl_keyfile"],
+    )
+    server.dataplane = ModelAwareDataPlane(model_registry=server.registered_models)
+    return server
+
+
+def serve(config: ServerConfig) -> None:
+    """Serve until stopped. Startup problems raise :class:`StartupError`."""
+    from kserve import model_server  # its FastAPI app is the one ModelServer serves
+
+    model = build_model(config)
+    server = _model_server(config)
+    server.register_model(model)
+    install_error_handlers(model_server.app)
+    server.servers.append(load_in_background(model))
+    server.start([])

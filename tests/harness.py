@@ -1,0 +1,114 @@
+"""In-process and subprocess servers for tests: the real stack, built from argv."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+from kserve.model_repository import ModelRepository
+from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+from kserve.protocol.rest.server import RESTServer
+
+from huggingfaceserver.cli import parse_args
+from huggingfaceserver.protocols.kserve_model import EncoderModel
+from huggingfaceserver.server import ModelAwareDataPlane, build_model, install_error_handlers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_app(model: EncoderModel) -> FastAPI:
+    """The same routes and error handlers ``ModelServer`` serves, on a fresh FastAPI app."""
+    registry = ModelRepository()
+    registry.update(model)
+    dataplane = ModelAwareDataPlane(model_registry=registry)
+    rest = RESTServer("unused:app", dataplane, ModelRepositoryExtension(registry), 0)
+    app = FastAPI()
+    install_error_handlers(app)
+    rest._register_endpoints(app)  # noqa: SLF001 - kserve has no public way to reuse them
+    rest._add_exception_handlers(app)  # noqa: SLF001
+    install_error_handlers(app)  # ours win over kserve's InvalidInput handler
+    return app
+
+
+def load_model(argv: Sequence[str]) -> EncoderModel:
+    model = build_model(parse_args(list(argv)))
+    model.load_backend()
+    return model
+
+
+def client_for(model: EncoderModel) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=build_app(model))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:
+    """Poll /v2/health/ready until it says ready, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
+
+
+@contextmanager
+def run_server(args: Sequence[str], log_dir: Path, ready: bool = True) -> Iterator[ServerProcess]:
+    """``python -m huggingfaceserver ARGS`` as a user starts it, on free ports."""
+    http_port, grpc_port = free_port(), free_port()
+    log_path = log_dir / f"server-{http_port}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "huggingfaceserver", *args,
+             "--http_port", str(http_port), "--grpc_port", str(grpc_port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        )
+    server = ServerProcess(process, http_port, grpc_port, log_path)
+    try:
+        if ready:
+            wait_ready(server)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
