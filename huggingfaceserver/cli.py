@@ -30,7 +30,8 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     generation-config gpu-memory-utilization guided-decoding-backend hf-config-path hf-overrides
     kv-cache-dtype kv-transfer-config limit-mm-per-prompt load-format logits-processor-pattern
     lora-dtype lora-extra-vocab-size lora-modules max-cpu-loras max-logprobs max-lora-rank
-    max-loras max-num-batched-tokens max-num-partial-prefills max-num-seqs max-parallel-loading-workers
+    max-loras max-num-batched-tokens max-num-partial-prefills max-num-seqs
+    max-parallel-loading-workers
     max-seq-len-to-capture model-impl no-enable-chunked-prefill no-enable-prefix-caching
     num-gpu-blocks-override num-lookahead-slots num-scheduler-steps num-speculative-tokens
     override-generation-config override-neuron-config pipeline-parallel-size preemption-mode

@@ -44,6 +44,12 @@ class BadRequest(ServerError, InvalidInput):
         self.reason = message  # what kserve's gRPC interceptor reports
 
 
+class UpstreamError(ServerError):
+    """The remote predictor (transformer mode) failed or is unreachable (502)."""
+
+    status_code = HTTPStatus.BAD_GATEWAY
+
+
 async def server_error_handler(_: Request, exc: Exception) -> JSONResponse:
     """Render a :class:`ServerError` in the KServe shape ``{"error": message}``."""
     assert isinstance(exc, ServerError)

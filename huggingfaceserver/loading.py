@@ -69,9 +69,7 @@ def _download(model_id: str, revision: str | None, allow_patterns: list[str] | N
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(
-            snapshot_download(model_id, revision=revision, allow_patterns=allow_patterns)
-        )
+        return Path(snapshot_download(model_id, revision=revision, allow_patterns=allow_patterns))
     except LocalEntryNotFoundError as exc:
         raise StartupError(
             f"model {model_id!r} (revision {revision or 'main'}) is not in the local cache "
@@ -120,9 +118,7 @@ def load_source(config: ServerConfig) -> ModelSource:
     """Locate the model, read its config once and settle its task."""
     path, tokenizer_path = locate_model(config)
     try:
-        model_config = AutoConfig.from_pretrained(
-            path, trust_remote_code=config.trust_remote_code
-        )
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError(f"cannot read the model config in {path}: {exc}") from None
     modules = read_sentence_transformers_modules(path)

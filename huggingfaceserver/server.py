@@ -13,6 +13,8 @@ from kserve.predictor_config import PredictorConfig
 from kserve.protocol.dataplane import DataPlane
 
 from .backends import choose_backend
+from .backends.base import EncoderBackend
+from .backends.remote import RemoteEncoder
 from .backends.transformers import TransformersEncoder
 from .cli import ServerConfig
 from .errors import ServerError, StartupError, server_error_handler, validation_error_handler
@@ -53,11 +55,13 @@ def build_model(config: ServerConfig) -> EncoderModel:
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in config.engine_flags),
         )
+    if config.tensor_input_names and not config.server.get("predictor_host"):
+        logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
+    backend: EncoderBackend
     if config.server.get("predictor_host"):
-        raise StartupError(
-            "--predictor_host (transformer mode) is not supported by this version"
-        )
-    backend = TransformersEncoder(source, config)
+        backend = RemoteEncoder(source, config)
+    else:
+        backend = TransformersEncoder(source, config)
     logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
     return EncoderModel(config.model_name, backend, logging_)
 

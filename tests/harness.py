@@ -95,9 +95,20 @@ def run_server(args: Sequence[str], log_dir: Path, ready: bool = True) -> Iterat
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "huggingfaceserver", *args,
-             "--http_port", str(http_port), "--grpc_port", str(grpc_port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "huggingfaceserver",
+                *args,
+                "--http_port",
+                str(http_port),
+                "--grpc_port",
+                str(grpc_port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
         )
     server = ServerProcess(process, http_port, grpc_port, log_path)
     try:

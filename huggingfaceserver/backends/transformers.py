@@ -10,66 +10,27 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import BatchEncoding
 
 from ..cli import ServerConfig
-from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
 from ..errors import StartupError
-from ..loading import ModelSource, device, load_tokenizer, resolve_dtype
-from .base import EncoderBackend
+from ..loading import ModelSource, device, resolve_dtype
+from .tokenizing import TokenizingEncoder
 
 logger = logging.getLogger(__name__)
 
-# tokenizer.model_max_length is this large when the tokenizer sets no limit
-UNSET_MAX_LENGTH = 1_000_000
 
-
-def resolve_max_length(
-    requested: int | None, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig
-) -> int:
-    """``--max_length`` checked against what the model can take, or that limit by default."""
-    limits = [getattr(config, "max_position_embeddings", None)]
-    if tokenizer.model_max_length < UNSET_MAX_LENGTH:
-        limits.append(tokenizer.model_max_length)
-    known = [int(limit) for limit in limits if limit]
-    model_limit = min(known) if known else None
-    if requested is None:
-        if model_limit is None:
-            raise StartupError("the model declares no maximum length; pass --max_length")
-        return model_limit
-    if model_limit is not None and requested > model_limit:
-        raise StartupError(
-            f"--max_length {requested} exceeds the model's maximum of {model_limit} tokens"
-        )
-    return requested
-
-
-class TransformersEncoder(EncoderBackend):
+class TransformersEncoder(TokenizingEncoder):
     """Tokenize and run an ``AutoModelFor...`` in a worker thread."""
 
     name = "huggingface"
 
     def __init__(self, source: ModelSource, config: ServerConfig):
-        self.source = source
-        self.config = config
+        super().__init__(source, config)
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
-        self.task_class = encoder_task_class(source.task)
 
-    def load(self) -> None:
-        tokenizer = load_tokenizer(self.source, self.config)
-        tokenizer.padding_side = "right"  # pooling and per-token trimming assume it
-        if tokenizer.pad_token is None:
-            raise StartupError(
-                "the tokenizer has no padding token, needed to encode several texts at once"
-            )
-        self.tokenizer = tokenizer
-        self.task: EncoderTask = self.task_class(
-            tokenizer, self.source, EncoderOptions.from_config(self.config)
-        )
-        if self.task.needs_offsets and not tokenizer.is_fast:
-            raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
-        self.max_length = resolve_max_length(self.config.max_length, tokenizer, self.source.config)
+    def load_model(self) -> None:
         auto_class = getattr(transformers, self.task.auto_model)
         try:
             model = auto_class.from_pretrained(
@@ -91,18 +52,6 @@ class TransformersEncoder(EncoderBackend):
             self.max_length,
         )
 
-    def tokenize(self, texts: Sequence[str]) -> BatchEncoding:
-        return self.tokenizer(
-            list(texts),
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            add_special_tokens=not self.config.disable_special_tokens,
-            return_token_type_ids=True if self.config.return_token_type_ids else None,
-            return_offsets_mapping=self.task.needs_offsets,
-            return_tensors="pt",
-        )
-
     def forward(self, batch: BatchEncoding) -> torch.Tensor:
         """The model's raw output for the task: logits, or the last hidden state."""
         inputs = {k: v.to(self.device) for k, v in batch.items() if k in self.model_inputs}
@@ -111,10 +60,7 @@ class TransformersEncoder(EncoderBackend):
         return getattr(output, self.task.output_field).cpu()
 
     def infer_sync(self, texts: Sequence[str]) -> list[Any]:
-        for index, text in enumerate(texts):
-            self.task.check_text(index, text)
-        batch = self.tokenize(texts)
-        self.task.check_encoding(batch)
+        batch = self.prepare(texts)
         return self.task.results(self.forward(batch), batch)
 
     async def infer(self, texts: Sequence[str]) -> list[Any]:

@@ -87,8 +87,9 @@ class EncoderTask(ABC):
 
     def label_key(self, index: int) -> str:
         """A class's key in score dicts: its index, or its id2label name with --return_labels."""
-        if self.options.return_labels:
-            return str(self.model_config.id2label.get(index, index))
+        id2label: dict[Any, str] = self.model_config.id2label or {}
+        if self.options.return_labels and index in id2label:
+            return str(id2label[index])
         return str(index)
 
     def score_dict(self, logits: torch.Tensor) -> dict[str, float]:

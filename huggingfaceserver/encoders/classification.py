@@ -53,7 +53,7 @@ class TokenClassification(EncoderTask):
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         out: list[Any] = []
         offsets = batch.get("offset_mapping")
-        for i, (row, length) in enumerate(zip(raw, lengths(batch))):
+        for i, (row, length) in enumerate(zip(raw, lengths(batch), strict=True)):
             row = row[:length]
             if self.options.scores:
                 prediction: Any = [self.score_dict(token) for token in row]

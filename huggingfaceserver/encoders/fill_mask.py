@@ -44,7 +44,7 @@ class FillMask(EncoderTask):
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         out: list[Any] = []
-        for row, ids in zip(raw, batch["input_ids"]):
+        for row, ids in zip(raw, batch["input_ids"], strict=True):
             masked = row[ids == self.tokenizer.mask_token_id]  # [masks, vocab]
             if self.options.scores:
                 out.append([self.score_dict(logits) for logits in masked])

@@ -1,0 +1,81 @@
+"""What every backend that tokenizes with the model's own tokenizer shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
+
+from ..cli import ServerConfig
+from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
+from ..errors import StartupError
+from ..loading import ModelSource, load_tokenizer
+from .base import EncoderBackend
+
+# tokenizer.model_max_length is this large when the tokenizer sets no limit
+UNSET_MAX_LENGTH = 1_000_000
+
+
+def resolve_max_length(
+    requested: int | None, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig
+) -> int:
+    """``--max_length`` checked against what the model can take, or that limit by default."""
+    limits = [getattr(config, "max_position_embeddings", None)]
+    if tokenizer.model_max_length < UNSET_MAX_LENGTH:
+        limits.append(tokenizer.model_max_length)
+    known = [int(limit) for limit in limits if limit]
+    model_limit = min(known) if known else None
+    if requested is None:
+        if model_limit is None:
+            raise StartupError("the model declares no maximum length; pass --max_length")
+        return model_limit
+    if model_limit is not None and requested > model_limit:
+        raise StartupError(
+            f"--max_length {requested} exceeds the model's maximum of {model_limit} tokens"
+        )
+    return requested
+
+
+class TokenizingEncoder(EncoderBackend):
+    """Loads the tokenizer and the task; turns texts into a checked, padded batch."""
+
+    def __init__(self, source: ModelSource, config: ServerConfig):
+        self.source = source
+        self.config = config
+        self.task_class = encoder_task_class(source.task)
+
+    def load(self) -> None:
+        tokenizer = load_tokenizer(self.source, self.config)
+        tokenizer.padding_side = "right"  # pooling and per-token trimming assume it
+        if tokenizer.pad_token is None:
+            raise StartupError(
+                "the tokenizer has no padding token, needed to encode several texts at once"
+            )
+        self.tokenizer = tokenizer
+        self.task: EncoderTask = self.task_class(
+            tokenizer, self.source, EncoderOptions.from_config(self.config)
+        )
+        if self.task.needs_offsets and not tokenizer.is_fast:
+            raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
+        self.max_length = resolve_max_length(self.config.max_length, tokenizer, self.source.config)
+        self.load_model()
+
+    def load_model(self) -> None:
+        """Whatever the backend needs beyond the tokenizer (weights, a client)."""
+
+    def prepare(self, texts: Sequence[str]) -> BatchEncoding:
+        """Check and tokenize a request's texts (blocking: call it off the event loop)."""
+        for index, text in enumerate(texts):
+            self.task.check_text(index, text)
+        batch = self.tokenizer(
+            list(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            add_special_tokens=not self.config.disable_special_tokens,
+            return_token_type_ids=True if self.config.return_token_type_ids else None,
+            return_offsets_mapping=self.task.needs_offsets,
+            return_tensors="pt",
+        )
+        self.task.check_encoding(batch)
+        return batch
