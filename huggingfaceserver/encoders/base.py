@@ -80,6 +80,10 @@ class EncoderTask(ABC):
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         """The V2 output tensors for a request's results."""
 
+    @abstractmethod
+    def v2_output_types(self) -> list[dict[str, Any]]:
+        """V2 metadata of the outputs: name, datatype and shape (-1 where it varies)."""
+
     def v1_response(self, results: list[Any]) -> dict[str, Any]:
         return {"predictions": results}
 
@@ -99,6 +103,10 @@ class EncoderTask(ABC):
         else:
             values = logits.float().tolist()
         return {self.label_key(i): v for i, v in enumerate(values)}
+
+
+def output_type(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape}
 
 
 def lengths(batch: BatchEncoding) -> list[int]:

@@ -10,7 +10,7 @@ from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
 from ..tasks import Task
-from .base import EncoderTask, bytes_output, lengths, pad_rows, tensor_output
+from .base import EncoderTask, bytes_output, lengths, output_type, pad_rows, tensor_output
 
 PADDING_LABEL = -1
 """Fills the V2 token-label tensor past an instance's last token (instances differ in length)."""
@@ -34,6 +34,10 @@ class SequenceClassification(EncoderTask):
         if self.options.scores or self.options.return_labels:
             return [bytes_output("output-0", results)]
         return [tensor_output("output-0", np.array(results, dtype=np.int64), "INT64")]
+
+    def v2_output_types(self) -> list[dict[str, Any]]:
+        plain = not (self.options.scores or self.options.return_labels)
+        return [output_type("output-0", "INT64" if plain else "BYTES", [-1])]
 
 
 class TokenClassification(EncoderTask):
@@ -107,3 +111,13 @@ class TokenClassification(EncoderTask):
         if offsets is not None:
             outputs.append(self._offset_output(offsets))
         return outputs
+
+    def v2_output_types(self) -> list[dict[str, Any]]:
+        if self.options.scores:
+            types = [output_type("output-0", "BYTES", [-1, -1])]
+        else:
+            datatype = "BYTES" if self.options.return_labels else "INT64"
+            types = [output_type("output-0", datatype, [-1, 1, -1])]
+        if self.options.return_offsets_mapping:
+            types.append(output_type("offset_mapping", "INT64", [-1, -1, 2]))
+        return types

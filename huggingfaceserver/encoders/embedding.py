@@ -11,7 +11,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..loading import ModelSource
 from ..tasks import Task
-from .base import EncoderOptions, EncoderTask, tensor_output
+from .base import EncoderOptions, EncoderTask, output_type, tensor_output
 from .pooling import PoolingConfig, pool
 
 
@@ -33,3 +33,6 @@ class TextEmbedding(EncoderTask):
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         return [tensor_output("output-0", np.array(results, dtype=np.float32), "FP32")]
+
+    def v2_output_types(self) -> list[dict[str, Any]]:
+        return [output_type("output-0", "FP32", [-1, -1])]

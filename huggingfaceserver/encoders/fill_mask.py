@@ -10,7 +10,7 @@ from transformers import BatchEncoding
 
 from ..errors import BadRequest, StartupError
 from ..tasks import Task
-from .base import EncoderTask, bytes_output
+from .base import EncoderTask, bytes_output, output_type
 
 
 class FillMask(EncoderTask):
@@ -54,3 +54,6 @@ class FillMask(EncoderTask):
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         return [bytes_output("output-0", results)]
+
+    def v2_output_types(self) -> list[dict[str, Any]]:
+        return [output_type("output-0", "BYTES", [-1])]

@@ -58,6 +58,12 @@ class EncoderModel(Model):
         self.backend.load()
         self.ready = True
 
+    def get_input_types(self) -> list[dict[str, Any]]:
+        return [{"name": "input-0", "datatype": "BYTES", "shape": [-1]}]
+
+    def get_output_types(self) -> list[dict[str, Any]]:
+        return self.backend.task.v2_output_types() if self.ready else []
+
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> EncoderCall:
         headers = headers or {}
         if isinstance(payload, InferRequest):
