@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import StartupError
 from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
@@ -110,9 +111,16 @@ def _spellings(name: str) -> list[str]:
 
 
 def _kserve_parser() -> argparse.ArgumentParser:
-    from kserve import model_server  # heavy; and it parses sys.argv on import, not ours
+    from ._kserve import model_server
 
     return model_server.parser
+
+
+def _task(value: str) -> Task:
+    try:
+        return Task.parse(value)
+    except StartupError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("model_revision", default=None, help="Hub revision for weights and config")
     add("tokenizer_revision", default=None, help="Hub revision for the tokenizer")
     add("dtype", default="auto", choices=DTYPES, help="weights dtype (auto: fp16 GPU, fp32 CPU)")
-    add("task", default=None, type=Task.parse, help=f"one of {', '.join(t.value for t in Task)}")
+    add("task", default=None, type=_task, help=f"one of {', '.join(t.value for t in Task)}")
     add("backend", default="auto", choices=BACKENDS, help="inference backend")
     parser.add_argument(
         *_spellings("max_length"),
@@ -192,21 +200,28 @@ def _normalise_spelling(argv: Sequence[str], parser: argparse.ArgumentParser) ->
     return out
 
 
-def _group_flags(tokens: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """Group ``--flag v1 v2`` runs into {dashed flag name: values}; strays are returned apart."""
+def _group_flags(
+    tokens: Sequence[str],
+) -> tuple[dict[str, list[str]], dict[str, str], list[str]]:
+    """Group ``--flag v1 v2`` runs into {dashed flag name: values}.
+
+    Also returns each dashed name's spelling as typed, and the tokens that follow no flag.
+    """
     flags: dict[str, list[str]] = {}
+    typed: dict[str, str] = {}
     strays: list[str] = []
     current: str | None = None
     for token in tokens:
         if token.startswith("--") and len(token) > 2:
-            name, sep, value = token[2:].partition("=")
-            current = name.replace("_", "-")
+            name, sep, value = token.partition("=")
+            current = name[2:].replace("_", "-")
+            typed[current] = name
             flags[current] = [value] if sep else []
         elif current is not None:
             flags[current].append(token)
         else:
             strays.append(token)
-    return flags, strays
+    return flags, typed, strays
 
 
 def parse_args(
@@ -219,8 +234,8 @@ def parse_args(
     """
     parser = build_parser()
     namespace, rest = parser.parse_known_args(_normalise_spelling(argv, parser))
-    flags, strays = _group_flags(rest)
-    unknown = [f"--{name}" for name in flags if name not in engine_flag_names]
+    flags, typed, strays = _group_flags(rest)
+    unknown = [typed[name] for name in flags if name not in engine_flag_names]
     if unknown or strays:
         parser.error("unrecognized arguments: " + " ".join(unknown + strays))
     values = vars(namespace)

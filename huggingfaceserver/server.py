@@ -12,6 +12,7 @@ from kserve import ModelServer
 from kserve.predictor_config import PredictorConfig
 from kserve.protocol.dataplane import DataPlane
 
+from ._kserve import model_server, sync_kserve_args
 from .backends import choose_backend
 from .backends.base import EncoderBackend
 from .backends.remote import RemoteEncoder
@@ -110,9 +111,8 @@ def _model_server(config: ServerConfig) -> ModelServer:
 
 def serve(config: ServerConfig) -> None:
     """Serve until stopped. Startup problems raise :class:`StartupError`."""
-    from kserve import model_server  # its FastAPI app is the one ModelServer serves
-
     model = build_model(config)
+    sync_kserve_args(config.server)
     server = _model_server(config)
     server.register_model(model)
     install_error_handlers(model_server.app)

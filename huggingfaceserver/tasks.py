@@ -37,14 +37,11 @@ def supported_tasks() -> str:
     return ", ".join(t.value for t in Task)
 
 
-# Whole architecture names first: they would otherwise match a suffix below.
-ARCHITECTURE_TASKS: dict[str, Task] = {
-    "MTModel": Task.text2text_generation,
-    "EncoderDecoderModel": Task.text2text_generation,
-}
-
-# Suffix -> task, tried in order; the bare "Model" suffix (BertModel, ...) is an encoder body.
+# Suffix -> task, tried in order; the bare "Model" suffix (BertModel, ...) is an encoder body,
+# so the longer "...Model" suffixes come before it.
 ARCHITECTURE_SUFFIX_TASKS: tuple[tuple[str, Task], ...] = (
+    ("MTModel", Task.text2text_generation),  # MarianMTModel
+    ("EncoderDecoderModel", Task.text2text_generation),
     ("ForMaskedLM", Task.fill_mask),
     ("ForTokenClassification", Task.token_classification),
     ("ForSequenceClassification", Task.sequence_classification),
@@ -56,8 +53,6 @@ ARCHITECTURE_SUFFIX_TASKS: tuple[tuple[str, Task], ...] = (
 
 
 def task_for_architecture(architecture: str) -> Task | None:
-    if architecture in ARCHITECTURE_TASKS:
-        return ARCHITECTURE_TASKS[architecture]
     for suffix, task in ARCHITECTURE_SUFFIX_TASKS:
         if architecture.endswith(suffix):
             return task

@@ -79,7 +79,9 @@ def flatten(rows):
 
 
 def v2_body(texts):
-    return {"inputs": [{"name": "input-0", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]}
+    return {
+        "inputs": [{"name": "input-0", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]
+    }
 
 
 async def predict_v1(model, texts):
@@ -116,7 +118,7 @@ def assert_tensor(output, datatype, shape, data):
 
 def assert_dicts_close(got, want, tol):
     assert len(got) == len(want)
-    for got_dict, want_dict in zip(got, want):
+    for got_dict, want_dict in zip(got, want, strict=True):
         assert got_dict == pytest.approx(want_dict, abs=tol)
 
 
@@ -174,7 +176,7 @@ async def test_sequence_labels_key_the_probabilities(encoder, tiny_models, name)
 async def test_sequence_batch_gives_what_each_text_gives_alone(encoder, tiny_models, name):
     model = encoder(tiny_models[name], "--return_raw_logits")
     batch = await predictions_v1(model, SENTENCES)
-    for text, in_batch in zip(SENTENCES, batch):
+    for text, in_batch in zip(SENTENCES, batch, strict=True):
         [alone] = await predictions_v1(model, [text])
         assert in_batch == pytest.approx(alone, abs=1e-5)
 
@@ -211,7 +213,7 @@ async def test_token_scores_per_token(encoder, tiny_models, flag, transform, tol
 
     got = await predictions_v1(model, NER_TEXTS)
     assert [len(row) for row in got] == [len(row) for row in want]
-    for got_row, want_row in zip(got, want):
+    for got_row, want_row in zip(got, want, strict=True):
         assert_dicts_close(got_row, want_row, tol)
 
     output = await output_v2(model, NER_TEXTS)

@@ -31,7 +31,7 @@ def reference_mask_logits(path, texts, tokenizer_kwargs=None, **encode_kwargs):
     with torch.no_grad():
         logits = model(**batch).logits
     is_mask = batch["input_ids"] == tokenizer.mask_token_id
-    return [row[mask] for row, mask in zip(logits, is_mask)]
+    return [row[mask] for row, mask in zip(logits, is_mask, strict=True)]
 
 
 def reference_predictions(path, texts, tokenizer_kwargs=None, **encode_kwargs):
@@ -55,7 +55,9 @@ def score_dicts(masks):
 
 
 def v2_body(texts):
-    return {"inputs": [{"name": "input-0", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]}
+    return {
+        "inputs": [{"name": "input-0", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]
+    }
 
 
 async def predict_v1(model, texts):
@@ -77,10 +79,10 @@ async def infer_v2(model, texts):
 def assert_scores_close(got, want_logits, transform, tol):
     """``got``: per instance a list (one per mask) of score dicts over the whole vocabulary."""
     assert len(got) == len(want_logits)
-    for instance, masks in zip(got, want_logits):
+    for instance, masks in zip(got, want_logits, strict=True):
         want = score_dicts(transform(masks))
         assert len(instance) == len(want)
-        for got_dict, want_dict in zip(instance, want):
+        for got_dict, want_dict in zip(instance, want, strict=True):
             assert got_dict == pytest.approx(want_dict, abs=tol)
 
 

@@ -1,0 +1,341 @@
+"""The command line (CONTRACT.md section 1): ``parse_args`` is a pure function of argv."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from huggingfaceserver.cli import ServerConfig, parse_args
+from huggingfaceserver.errors import StartupError
+from huggingfaceserver.tasks import Task
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONTRACT_DEFAULTS = {
+    "model_name": "model",
+    "model_dir": "/mnt/models",
+    "model_id": None,
+    "model_revision": None,
+    "tokenizer_revision": None,
+    "dtype": "auto",
+    "task": None,
+    "backend": "auto",
+    "max_length": None,
+    "disable_lower_case": False,
+    "disable_special_tokens": False,
+    "trust_remote_code": False,
+    "tensor_input_names": None,
+    "return_token_type_ids": False,
+    "return_probabilities": False,
+    "return_raw_logits": False,
+    "return_offsets_mapping": False,
+    "return_labels": False,
+    "disable_log_requests": False,
+    "max_log_len": None,
+}
+
+KSERVE_DEFAULTS = {
+    "http_port": 8080,
+    "grpc_port": 8081,
+    "enable_grpc": True,
+    "workers": 1,
+    "predictor_protocol": "v1",
+    "predictor_host": None,
+}
+
+# field -> (the value given on the command line, what the config holds); None: a switch
+OWN_FLAGS = {
+    "model_name": ("bert", "bert"),
+    "model_dir": ("/models/bert", "/models/bert"),
+    "model_id": ("org/name", "org/name"),
+    "model_revision": ("v1", "v1"),
+    "tokenizer_revision": ("v2", "v2"),
+    "dtype": ("bfloat16", "bfloat16"),
+    "task": ("fill_mask", Task.fill_mask),
+    "backend": ("huggingface", "huggingface"),
+    "max_length": ("64", 64),
+    "disable_lower_case": (None, True),
+    "disable_special_tokens": (None, True),
+    "trust_remote_code": (None, True),
+    "tensor_input_names": ("input_ids", ("input_ids",)),
+    "return_token_type_ids": (None, True),
+    "return_probabilities": (None, True),
+    "return_raw_logits": (None, True),
+    "return_offsets_mapping": (None, True),
+    "return_labels": (None, True),
+    "disable_log_requests": (None, True),
+    "max_log_len": ("100", 100),
+}
+
+
+def own_fields(config: ServerConfig) -> dict:
+    fields = dataclasses.asdict(config)
+    del fields["server"], fields["engine_flags"]
+    return fields
+
+
+def spellings_of(field: str) -> list[str]:
+    return [f"--{field}", "--" + field.replace("_", "-")]
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``python -m huggingfaceserver ARGS`` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "huggingfaceserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def usage_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """The ``huggingfaceserver: error: ...`` line argparse writes after the usage text."""
+    line = last_line(capsys.readouterr().err)
+    assert line.startswith("huggingfaceserver: error: ")
+    return line
+
+
+def test_defaults_match_the_contract():
+    config = parse_args([])
+    assert own_fields(config) == CONTRACT_DEFAULTS
+    assert own_fields(ServerConfig()) == CONTRACT_DEFAULTS
+    assert config.engine_flags == {}
+
+
+def test_kserve_flags_keep_their_kserve_defaults():
+    server = parse_args([]).server
+    assert {name: server[name] for name in KSERVE_DEFAULTS} == KSERVE_DEFAULTS
+
+
+def test_every_config_field_has_a_flag_in_the_table_below():
+    assert set(OWN_FLAGS) == set(CONTRACT_DEFAULTS)
+
+
+@pytest.mark.parametrize("field", sorted(OWN_FLAGS))
+def test_own_flags_accept_both_spellings_and_the_equals_form(field):
+    given, expected = OWN_FLAGS[field]
+    for flag in spellings_of(field):
+        forms = [[flag]] if given is None else [[flag, given], [f"{flag}={given}"]]
+        for argv in forms:
+            assert getattr(parse_args(argv), field) == expected, argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "expected"),
+    [
+        (["--http_port", "9000"], "http_port", 9000),
+        (["--http-port", "9000"], "http_port", 9000),
+        (["--http-port=9000"], "http_port", 9000),
+        (["--grpc-port", "9001"], "grpc_port", 9001),
+        (["--event-loop", "asyncio"], "event_loop", "asyncio"),
+        (["--event_loop", "asyncio"], "event_loop", "asyncio"),
+        (["--event_loop=uvloop"], "event_loop", "uvloop"),
+        (["--max_threads", "2"], "max_threads", 2),
+        (["--max-threads", "2"], "max_threads", 2),
+        (["--timeout_keep_alive", "3"], "timeout_keep_alive", 3),
+        (["--enable-grpc", "false"], "enable_grpc", False),
+        (["--enable_docs_url", "true"], "enable_docs_url", True),
+        (["--predictor-host", "bert:8080"], "predictor_host", "bert:8080"),
+        (["--predictor_protocol", "grpc-v2"], "predictor_protocol", "grpc-v2"),
+        (["--predictor-protocol=v2"], "predictor_protocol", "v2"),
+        (["--enable-predictor-health-check"], "enable_predictor_health_check", True),
+    ],
+)
+def test_kserve_flags_accept_both_spellings(argv, name, expected):
+    assert parse_args(argv).server[name] == expected
+
+
+@pytest.mark.parametrize(
+    "flag", ["--max_length", "--max-length", "--max_model_len", "--max-model-len"]
+)
+def test_max_model_len_is_an_alias_of_max_length(flag):
+    assert parse_args([flag, "256"]).max_length == 256
+    assert parse_args([f"{flag}=256"]).max_length == 256
+
+
+@pytest.mark.parametrize("value", ["fill-mask", "fill_mask", "Fill-Mask"])
+def test_task_flag_parses_to_the_task(value):
+    assert parse_args(["--task", value]).task is Task.fill_mask
+
+
+def test_unknown_task_exits_2_naming_the_value(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--task", "summarize_everything"])
+    assert exit_info.value.code == 2
+    error = usage_error(capsys)
+    assert "summarize_everything" in error
+    assert "fill_mask" in error
+
+
+def test_probabilities_and_raw_logits_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--return_probabilities", "--return-raw-logits"])
+    assert exit_info.value.code == 2
+    error = usage_error(capsys)
+    assert "--return_probabilities" in error
+    assert "--return_raw_logits" in error
+
+
+def test_unknown_flag_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_dir", "/models/bert", "--no_such_flag", "3"])
+    assert exit_info.value.code == 2
+    assert re.search(r"unrecognized arguments: --no[-_]such[-_]flag$", usage_error(capsys))
+
+
+def test_unknown_flag_is_named_as_the_user_typed_it(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--no_such_flag", "3"])
+    assert "--no_such_flag" in usage_error(capsys)
+
+
+def test_abbreviated_flags_are_not_guessed(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_d", "/models/bert"])
+    assert exit_info.value.code == 2
+    assert re.search(r"unrecognized arguments: --model[-_]d$", usage_error(capsys))
+
+
+@pytest.mark.parametrize("argv", [["stray"], ["stray", "--model_dir", "/models/bert"]])
+def test_stray_positional_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "stray" in usage_error(capsys)
+
+
+def test_vllm_engine_flags_are_kept_with_their_values():
+    config = parse_args(
+        [
+            "--max-num-seqs",
+            "8",
+            "--model_dir",
+            "/models/llama",
+            "--enforce-eager",
+            "--gpu_memory_utilization",
+            "0.5",
+            "--speculative-config",
+            '{"x":1}',
+            "--seed=-1",
+        ]
+    )
+    assert config.model_dir == "/models/llama"
+    assert config.engine_flags == {
+        "max-num-seqs": ["8"],
+        "enforce-eager": [],
+        "gpu-memory-utilization": ["0.5"],
+        "speculative-config": ['{"x":1}'],
+        "seed": ["-1"],
+    }
+
+
+def test_engine_flags_are_those_the_caller_names(capsys):
+    assert parse_args(["--my-flag", "1"], frozenset({"my-flag"})).engine_flags == {"my-flag": ["1"]}
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--max-num-seqs", "8"], frozenset())
+    assert exit_info.value.code == 2
+    assert "--max-num-seqs" in usage_error(capsys)
+
+
+def test_tensor_input_names_is_a_tuple():
+    config = parse_args(["--tensor_input_names", "input_ids, attention_mask,"])
+    assert config.tensor_input_names == ("input_ids", "attention_mask")
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_length_must_be_positive(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--max_length", value])
+    assert exit_info.value.code == 2
+    assert "--max_length must be a positive integer" in usage_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--dtype", "fp8"], ["--backend", "onnx"], ["--max_length", "lots"]]
+)
+def test_invalid_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert argv[1] in usage_error(capsys)
+
+
+def test_help_lists_our_flags_and_kserve_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model_dir", "--max_model_len", "--return_labels", "--http_port"):
+        assert flag in out
+
+
+def test_importing_the_package_reads_no_argv():
+    code = (
+        "import sys; sys.argv = ['x', '--bogus']; "
+        "import huggingfaceserver.cli, huggingfaceserver.__main__; print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_parse_args_ignores_the_process_argv():
+    code = (
+        "import sys; sys.argv = ['x', '--http_port', 'not-a-port']; "
+        "from huggingfaceserver.cli import parse_args; "
+        "print(parse_args(['--model_dir', '/models/bert']).server['http_port'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "8080"
+
+
+def test_main_exits_2_on_an_unknown_flag():
+    result = run_main("--bogus_flag")
+    assert result.returncode == 2
+    assert re.search(r"--bogus[-_]flag", result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_main_exits_1_with_one_line_for_a_missing_model_dir():
+    result = run_main("--model_dir", "/nonexistent/path")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert line.startswith("huggingfaceserver: error: ")
+    assert "/nonexistent/path" in line
+
+
+def test_main_refuses_a_generative_model_for_now(tiny_models):
+    result = run_main("--model_dir", str(tiny_models["gpt2"]))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert line.startswith("huggingfaceserver: error: ")
+    assert "text_generation" in line
+
+
+def test_main_says_how_to_install_vllm(tiny_models):
+    result = run_main("--model_dir", str(tiny_models["bert_fill_mask"]), "--backend", "vllm")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    line = last_line(result.stderr)
+    assert line.startswith("huggingfaceserver: error: ")
+    assert "vLLM is not installed" in line
+    assert "pip install" in line
