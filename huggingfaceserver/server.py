@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from kserve import ModelServer
+from kserve.constants.constants import INFERENCE_CONTENT_LENGTH_HEADER
 from kserve.predictor_config import PredictorConfig
 from kserve.protocol.dataplane import DataPlane
+from kserve.protocol.infer_type import InferRequest
+from kserve.protocol.rest.v2_datamodels import InferenceRequest
+from pydantic import ValidationError
 
 from ._kserve import model_server, sync_kserve_args
 from .backends import choose_backend
@@ -18,7 +23,14 @@ from .backends.base import EncoderBackend
 from .backends.remote import RemoteEncoder
 from .backends.transformers import TransformersEncoder
 from .cli import ServerConfig
-from .errors import ServerError, StartupError, server_error_handler, validation_error_handler
+from .errors import (
+    BadRequest,
+    ServerError,
+    StartupError,
+    describe_validation_error,
+    server_error_handler,
+    validation_error_handler,
+)
 from .loading import load_source
 from .protocols.kserve_model import EncoderModel, RequestLogging
 
@@ -26,11 +38,24 @@ logger = logging.getLogger(__name__)
 
 
 class ModelAwareDataPlane(DataPlane):
-    """``/v2/health/ready`` (and gRPC ServerReady) is true only once every model is loaded."""
+    """KServe's data plane, with readiness that waits for the model and lenient V2 bodies."""
 
     async def ready(self) -> bool:
+        """``/v2/health/ready`` and gRPC ServerReady: true only once every model is loaded."""
         models = list(self.model_registry.get_models().values())
         return bool(models) and all(m.ready for m in models) and await super().ready()
+
+    def decode_inference_request(
+        self, body: bytes | InferenceRequest, headers: dict, model_name: str
+    ) -> InferRequest:
+        """A V2 JSON body sent without ``content-type: application/json`` (curl's default) is
+        still JSON; KServe alone would take it for binary tensor data and refuse it."""
+        if isinstance(body, bytes) and INFERENCE_CONTENT_LENGTH_HEADER not in headers:
+            try:
+                body = InferenceRequest.model_validate_json(body)
+            except ValidationError as exc:
+                raise BadRequest(describe_validation_error(exc)) from None
+        return super().decode_inference_request(body, headers, model_name)
 
 
 def build_model(config: ServerConfig) -> EncoderModel:
@@ -73,9 +98,18 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
 
-async def load_in_background(model: EncoderModel) -> None:
-    """Load the weights off the event loop while the server already answers health probes."""
-    await asyncio.to_thread(model.load_backend)
+async def load_in_background(model: EncoderModel, failures: list[StartupError]) -> None:
+    """Load the weights off the event loop while the server already answers health probes.
+
+    A failure is kept in ``failures`` and shuts the server down the normal way (SIGTERM), so
+    the process ends with our one-line error rather than torn-down servers' tracebacks.
+    """
+    try:
+        await asyncio.to_thread(model.load_backend)
+    except StartupError as exc:
+        failures.append(exc)
+        signal.raise_signal(signal.SIGTERM)
+        return
     logger.info("model %s is ready", model.name)
 
 
@@ -116,5 +150,8 @@ def serve(config: ServerConfig) -> None:
     server = _model_server(config)
     server.register_model(model)
     install_error_handlers(model_server.app)
-    server.servers.append(load_in_background(model))
+    failures: list[StartupError] = []
+    server.servers.append(load_in_background(model, failures))
     server.start([])
+    if failures:
+        raise failures[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from huggingfaceserver.cli import ServerConfig, parse_args
-from huggingfaceserver.errors import StartupError
 from huggingfaceserver.tasks import Task
 
 REPO = Path(__file__).resolve().parent.parent

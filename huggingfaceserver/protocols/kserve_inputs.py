@@ -35,7 +35,7 @@ def texts_from_v1(payload: Any) -> list[str]:
     KServe hands over the raw bytes when the content type is not JSON (curl's default form
     encoding): those are parsed here.
     """
-    if isinstance(payload, (bytes, bytearray, str)):
+    if isinstance(payload, (bytes, bytearray)):
         try:
             payload = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
