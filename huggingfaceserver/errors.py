@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kserve.errors import InvalidInput
+from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ async def server_error_handler(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content={"error": exc.message})
 
 
-def describe_validation_error(exc: RequestValidationError) -> str:
+def describe_validation_error(exc: RequestValidationError | ValidationError) -> str:
     """One readable line out of FastAPI's validation error list."""
     parts = []
     for err in exc.errors():
