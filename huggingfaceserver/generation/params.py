@@ -1,0 +1,75 @@
+"""Backend-neutral generation settings and outputs: what every generation backend takes and
+yields, so a request means the same thing whichever backend serves it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate, after the protocol layer has validated and defaulted the request.
+
+    Semantics follow vLLM's ``SamplingParams`` (the OpenAI meaning where OpenAI defines one).
+    """
+
+    n: int = 1
+    """Independent choices generated for the prompt."""
+    max_tokens: int | None = None
+    """New tokens at most; None: up to the context length."""
+    min_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens are generated."""
+    temperature: float = 1.0
+    """0 means greedy, whatever the model's generation config says."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1) disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Per-request generator seed; never touches the global RNG."""
+    presence_penalty: float = 0.0
+    """OpenAI's additive penalty: logit -= presence_penalty if the token occurred in the output."""
+    frequency_penalty: float = 0.0
+    """OpenAI's additive penalty: logit -= frequency_penalty * count in the output."""
+    repetition_penalty: float = 1.0
+    """Multiplicative (CTRL / transformers meaning), over prompt and output tokens."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> bias added to its logit."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on decoded text, cut from the output."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: the sampled token's logprob plus the top k alternatives."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since its previous delta.
+
+    ``text`` is already cut at a stop string and held back while it could still become one,
+    so concatenating a choice's deltas gives its final text.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    """None until the choice's last delta: then "stop" (EOS, stop string, stop token) or
+    "length" (max_tokens or the context limit)."""
