@@ -11,12 +11,15 @@ from transformers import PreTrainedTokenizerBase
 from ..encoders import EncoderTask
 from ..generation.params import ChoiceDelta, SamplingParams
 
+EncoderInputs = Sequence[str] | Sequence[Sequence[int]]
+"""Texts, or already tokenized inputs (token id lists, used as they are)."""
+
 
 class EncoderBackend(ABC):
-    """Runs an encoder task on a list of texts; the protocol layer cannot tell backends apart.
+    """Runs an encoder task; the protocol layers cannot tell backends apart.
 
-    ``load`` blocks (it reads weights) and is called once, off the event loop. ``infer``
-    never runs tokenization or the model on the event loop.
+    ``load`` blocks (it reads weights) and is called once, off the event loop. Nothing else
+    runs tokenization or the model on the event loop.
     """
 
     name: str
@@ -27,8 +30,18 @@ class EncoderBackend(ABC):
         """Load tokenizer and weights; afterwards ``task`` is set."""
 
     @abstractmethod
-    async def infer(self, texts: Sequence[str]) -> list[Any]:
-        """One result per text, in order (the V1 predictions of ``task``)."""
+    async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
+        """One result per input, in order (the V1 predictions of ``task``), and the number of
+        tokens each input took."""
+
+    @abstractmethod
+    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Cross-encoder relevance of each document to the query, in [0, 1], and the tokens
+        used. Only for single-logit sequence classifiers."""
+
+    async def infer(self, inputs: EncoderInputs) -> list[Any]:
+        results, _ = await self.infer_counted(inputs)
+        return results
 
 
 class GenerationBackend(ABC):

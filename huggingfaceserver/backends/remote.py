@@ -9,11 +9,9 @@ transformers backend post-processes its own.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import grpc
 import httpx
@@ -87,12 +85,10 @@ class RemoteEncoder(TokenizingEncoder):
             model_name=self.config.model_name, infer_inputs=inputs, request_id=str(uuid.uuid4())
         )
 
-    async def infer(self, texts: Sequence[str]) -> list[Any]:
+    async def run(self, batch: BatchEncoding) -> torch.Tensor:
         assert self._send is not None, "load() first"
-        batch = await asyncio.to_thread(self.prepare, texts)
         try:
             response = await self._send(self.to_request(batch))
         except (httpx.HTTPError, grpc.RpcError) as exc:
             raise UpstreamError(f"predictor {self.host} failed: {exc}") from exc
-        raw = torch.from_numpy(response.outputs[0].as_numpy().copy())
-        return await asyncio.to_thread(self.task.results, raw, batch)
+        return torch.from_numpy(response.outputs[0].as_numpy().copy())

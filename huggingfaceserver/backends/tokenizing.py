@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+from abc import abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
 
 from ..cli import ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
-from ..errors import StartupError
+from ..encoders.base import lengths
+from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
-from .base import EncoderBackend
+from ..tasks import Task
+from .base import EncoderBackend, EncoderInputs
 
 # tokenizer.model_max_length is this large when the tokenizer sets no limit
 UNSET_MAX_LENGTH = 1_000_000
@@ -62,6 +68,57 @@ class TokenizingEncoder(EncoderBackend):
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
+
+    @abstractmethod
+    async def run(self, batch: BatchEncoding) -> torch.Tensor:
+        """The model's raw output for a batch: logits, or the last hidden state."""
+
+    async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
+        batch = await asyncio.to_thread(self.prepare_inputs, inputs)
+        raw = await self.run(batch)
+        results = await asyncio.to_thread(self.task.results, raw, batch)
+        return results, lengths(batch)
+
+    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:
+            raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
+        batch = await asyncio.to_thread(self.prepare_pairs, query, documents)
+        logits = await self.run(batch)
+        return torch.sigmoid(logits[:, 0].float()).tolist(), sum(lengths(batch))
+
+    def prepare_inputs(self, inputs: EncoderInputs) -> BatchEncoding:
+        if inputs and not isinstance(inputs[0], str):
+            return self.prepare_ids([list(ids) for ids in inputs])  # type: ignore[arg-type]
+        return self.prepare(inputs)  # type: ignore[arg-type]
+
+    def prepare_ids(self, inputs: list[list[int]]) -> BatchEncoding:
+        """Token id inputs, used as they are (no special tokens added), checked and padded."""
+        vocab = len(self.tokenizer)
+        for index, ids in enumerate(inputs):
+            if not ids:
+                raise BadRequest(f"input {index} has no tokens")
+            if len(ids) > self.max_length:
+                raise BadRequest(
+                    f"input {index} has {len(ids)} tokens; the maximum is {self.max_length}"
+                )
+            if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+                raise BadRequest(
+                    f"input {index} has token ids outside the vocabulary (0..{vocab - 1})"
+                )
+        batch = self.tokenizer.pad({"input_ids": inputs}, padding=True, return_tensors="pt")
+        self.task.check_encoding(batch)
+        return batch
+
+    def prepare_pairs(self, query: str, documents: Sequence[str]) -> BatchEncoding:
+        """(query, document) pairs for a cross-encoder, truncated to the maximum length."""
+        return self.tokenizer(
+            [query] * len(documents),
+            list(documents),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
 
     def prepare(self, texts: Sequence[str]) -> BatchEncoding:
         """Check and tokenize a request's texts (blocking: call it off the event loop)."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import transformers
@@ -59,9 +57,5 @@ class TransformersEncoder(TokenizingEncoder):
             output = self.model(**inputs, return_dict=True)
         return getattr(output, self.task.output_field).cpu()
 
-    def infer_sync(self, texts: Sequence[str]) -> list[Any]:
-        batch = self.prepare(texts)
-        return self.task.results(self.forward(batch), batch)
-
-    async def infer(self, texts: Sequence[str]) -> list[Any]:
-        return await asyncio.to_thread(self.infer_sync, texts)
+    async def run(self, batch: BatchEncoding) -> torch.Tensor:
+        return await asyncio.to_thread(self.forward, batch)
