@@ -45,6 +45,18 @@ class BadRequest(ServerError, InvalidInput):
         self.reason = message  # what kserve's gRPC interceptor reports
 
 
+class NotFound(ServerError):
+    """No such model (404)."""
+
+    status_code = HTTPStatus.NOT_FOUND
+
+
+class NotReady(ServerError):
+    """The model is still loading (503)."""
+
+    status_code = HTTPStatus.SERVICE_UNAVAILABLE
+
+
 class UpstreamError(ServerError):
     """The remote predictor (transformer mode) failed or is unreachable (502)."""
 

@@ -11,7 +11,8 @@ from kserve import Model
 from kserve.errors import ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
-from ..backends.base import EncoderBackend
+from ..backends.base import EncoderBackend, GenerationBackend
+from ..errors import BadRequest
 from .kserve_inputs import texts_from_v1, texts_from_v2
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,10 @@ class RequestLogging:
         return f"request {call.request_id} model={model} instances={len(call.texts)} {shown}"
 
 
-class EncoderModel(Model):
-    """Serves an :class:`EncoderBackend` on ``:predict``, V2 ``infer`` and gRPC ``ModelInfer``."""
+class BackendModel(Model):
+    """A backend registered with KServe: listed, health-checked, loaded once in the background."""
 
-    def __init__(self, name: str, backend: EncoderBackend, logging_: RequestLogging):
-        super().__init__(name)
-        self.backend = backend
-        self.request_logging = logging_
+    backend: EncoderBackend | GenerationBackend
 
     def load(self) -> bool:
         """Loading happens once, in :meth:`load_backend`; kserve may call this on a request."""
@@ -57,6 +55,31 @@ class EncoderModel(Model):
         """Blocking: load tokenizer and weights, then report ready."""
         self.backend.load()
         self.ready = True
+
+
+class GenerationModel(BackendModel):
+    """A generative model: served on the OpenAI routes; KServe V1/V2 inference is refused."""
+
+    def __init__(self, name: str, backend: GenerationBackend):
+        super().__init__(name)
+        self.backend = backend
+
+    async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
+        raise BadRequest(
+            f"model {self.name} generates text: use the OpenAI routes "
+            "(/v1/completions, /v1/chat/completions under the OpenAI prefix)"
+        )
+
+
+class EncoderModel(BackendModel):
+    """Serves an :class:`EncoderBackend` on ``:predict``, V2 ``infer`` and gRPC ``ModelInfer``."""
+
+    backend: EncoderBackend
+
+    def __init__(self, name: str, backend: EncoderBackend, logging_: RequestLogging):
+        super().__init__(name)
+        self.backend = backend
+        self.request_logging = logging_
 
     def get_input_types(self) -> list[dict[str, Any]]:
         return [{"name": "input-0", "datatype": "BYTES", "shape": [-1]}]
