@@ -33,6 +33,8 @@ from .errors import (
 )
 from .loading import load_source
 from .protocols.kserve_model import EncoderModel, RequestLogging
+from .protocols.openai.models import ServedModels
+from .protocols.openai.routes import mount_openai, route_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def build_model(config: ServerConfig) -> EncoderModel:
     else:
         backend = TransformersEncoder(source, config)
     logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
-    return EncoderModel(config.model_name, backend, logging_)
+    return EncoderModel(config.model_name, source.task, backend, logging_)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -150,6 +152,7 @@ def serve(config: ServerConfig) -> None:
     server = _model_server(config)
     server.register_model(model)
     install_error_handlers(model_server.app)
+    mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
     failures: list[StartupError] = []
     server.servers.append(load_in_background(model, failures))
     server.start([])

@@ -20,13 +20,15 @@ from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 from kserve.protocol.rest.server import RESTServer
 
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.protocols.kserve_model import EncoderModel
+from huggingfaceserver.protocols.kserve_model import BackendModel
+from huggingfaceserver.protocols.openai.models import ServedModels
+from huggingfaceserver.protocols.openai.routes import mount_openai
 from huggingfaceserver.server import ModelAwareDataPlane, build_model, install_error_handlers
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def build_app(model: EncoderModel) -> FastAPI:
+def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
     """The same routes and error handlers ``ModelServer`` serves, on a fresh FastAPI app."""
     registry = ModelRepository()
     registry.update(model)
@@ -34,20 +36,21 @@ def build_app(model: EncoderModel) -> FastAPI:
     rest = RESTServer("unused:app", dataplane, ModelRepositoryExtension(registry), 0)
     app = FastAPI()
     install_error_handlers(app)
+    mount_openai(app, ServedModels(registry), openai_prefix)
     rest._register_endpoints(app)  # noqa: SLF001 - kserve has no public way to reuse them
     rest._add_exception_handlers(app)  # noqa: SLF001
     install_error_handlers(app)  # ours win over kserve's InvalidInput handler
     return app
 
 
-def load_model(argv: Sequence[str]) -> EncoderModel:
+def load_model(argv: Sequence[str]) -> BackendModel:
     model = build_model(parse_args(list(argv)))
     model.load_backend()
     return model
 
 
-def client_for(model: EncoderModel) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=build_app(model))
+def client_for(model: BackendModel, openai_prefix: str = "/openai") -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=build_app(model, openai_prefix))
     return httpx.AsyncClient(transport=transport, base_url="http://test")
 
 

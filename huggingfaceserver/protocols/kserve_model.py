@@ -13,6 +13,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..errors import BadRequest
+from ..tasks import Task
 from .kserve_inputs import texts_from_v1, texts_from_v2
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class BackendModel(Model):
 
     backend: EncoderBackend | GenerationBackend
 
+    def __init__(self, name: str, task: Task):
+        super().__init__(name)
+        self.task = task
+
     def load(self) -> bool:
         """Loading happens once, in :meth:`load_backend`; kserve may call this on a request."""
         if not self.ready:
@@ -60,8 +65,8 @@ class BackendModel(Model):
 class GenerationModel(BackendModel):
     """A generative model: served on the OpenAI routes; KServe V1/V2 inference is refused."""
 
-    def __init__(self, name: str, backend: GenerationBackend):
-        super().__init__(name)
+    def __init__(self, name: str, task: Task, backend: GenerationBackend):
+        super().__init__(name, task)
         self.backend = backend
 
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
@@ -76,8 +81,8 @@ class EncoderModel(BackendModel):
 
     backend: EncoderBackend
 
-    def __init__(self, name: str, backend: EncoderBackend, logging_: RequestLogging):
-        super().__init__(name)
+    def __init__(self, name: str, task: Task, backend: EncoderBackend, logging_: RequestLogging):
+        super().__init__(name, task)
         self.backend = backend
         self.request_logging = logging_
 

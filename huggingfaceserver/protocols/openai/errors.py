@@ -1,0 +1,137 @@
+"""OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, for every failure on
+the OpenAI routes: typed server errors, unknown models, and request bodies that do not validate
+(400 here, never FastAPI's 422 ``detail``).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from huggingfaceserver.errors import BadRequest, ServerError
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's error types by status; any other 4xx is an invalid request (OpenAI's type for an
+# unknown model too, told apart by its code), any other 5xx a server error.
+_ERROR_TYPES: dict[int, str] = {
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+}
+# Codes for statuses that mean one thing on these routes: a ServerError 404 is an unknown model.
+_DEFAULT_CODES: dict[int, str] = {HTTPStatus.NOT_FOUND: "model_not_found"}
+
+
+def error_type(status_code: int) -> str:
+    """The OpenAI ``type`` for an HTTP status."""
+    default = "server_error" if status_code >= 500 else "invalid_request_error"
+    return _ERROR_TYPES.get(status_code, default)
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """The body of every error on the OpenAI routes."""
+
+    error: OpenAIError
+
+    @classmethod
+    def build(
+        cls, message: str, status_code: int, param: str | None = None, code: str | None = None
+    ) -> OpenAIErrorResponse:
+        """The body for ``status_code``; ``code`` defaults by status (404: model_not_found)."""
+        if code is None:
+            code = _DEFAULT_CODES.get(status_code)
+        return cls(
+            error=OpenAIError(message=message, type=error_type(status_code), param=param, code=code)
+        )
+
+
+class InvalidParameter(BadRequest):
+    """A 400 about one request field, named in the error's ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def context_length_error(
+    max_len: int, prompt_tokens: int, completion_tokens: int, param: str = "messages"
+) -> InvalidParameter:
+    """OpenAI's own 400 for a prompt plus ``max_tokens`` beyond the context.
+
+    ``param`` is ``"messages"`` on chat, ``"prompt"`` on completions.
+    """
+    requested = prompt_tokens + completion_tokens
+    return InvalidParameter(
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{requested} tokens ({prompt_tokens} in the messages, {completion_tokens} in the "
+        "completion). Please reduce the length of the messages or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def openai_error_response(exc: ServerError) -> JSONResponse:
+    """``exc`` answered in the OpenAI shape, with its own status."""
+    body = OpenAIErrorResponse.build(
+        exc.message,
+        exc.status_code,
+        param=getattr(exc, "param", None),
+        code=getattr(exc, "code", None),
+    )
+    return JSONResponse(status_code=exc.status_code, content=body.model_dump())
+
+
+async def openai_server_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """FastAPI handler for :class:`ServerError` on the OpenAI routes."""
+    assert isinstance(exc, ServerError)
+    if exc.status_code >= 500:
+        logger.error("request failed: %s", exc, exc_info=exc)
+    return openai_error_response(exc)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages.0.content"``."""
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts) or None
+
+
+def _describe(error: Any) -> tuple[str, str | None]:
+    """One pydantic error as (message naming the field, dotted field path)."""
+    if error.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {error.get('msg', '')}", None
+    param = _field_path(tuple(error.get("loc", ())))
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None:
+        return ("request body: " if error.get("loc") else "") + message, None
+    return f"{param}: {message}", param
+
+
+def validation_error_body(exc: RequestValidationError | ValidationError) -> OpenAIErrorResponse:
+    """A body that failed validation, as a 400 error: every problem in the message, the first
+    one's field path as ``param``."""
+    described = [_describe(error) for error in exc.errors()] or [("invalid request body", None)]
+    message = "; ".join(dict.fromkeys(message for message, _ in described))
+    return OpenAIErrorResponse.build(message, HTTPStatus.BAD_REQUEST, param=described[0][1])
+
+
+async def openai_validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """FastAPI handler for :class:`RequestValidationError` (and pydantic's ``ValidationError``)
+    on the OpenAI routes: a 400 in the OpenAI shape, never a 422."""
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    body = validation_error_body(exc)
+    return JSONResponse(status_code=HTTPStatus.BAD_REQUEST, content=body.model_dump())

@@ -1,0 +1,262 @@
+"""Response builders: the `openai` SDK parses what they produce, strictly and as a client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from openai.types import Completion, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from huggingfaceserver.protocols.openai import responses
+from huggingfaceserver.protocols.openai.encoder_requests import EmbeddingRequest
+from huggingfaceserver.protocols.openai.logprobs import (
+    FLOOR_LOGPROB,
+    TokenLogprobText,
+    chat_logprobs,
+    completion_logprobs,
+)
+from huggingfaceserver.protocols.openai.responses import to_json_dict
+
+ENTRIES = [
+    TokenLogprobText("Hel", -0.5, [("Hel", -0.5), ("He", -1.5)]),
+    TokenLogprobText("lo", -0.25, [("lo", -0.25)]),
+    TokenLogprobText("é", float("-inf"), [("é", float("-inf")), ("e", float("nan"))]),
+]
+
+
+def sdk_client(answer: Callable[[dict[str, Any]], httpx.Response]) -> openai.OpenAI:
+    """An SDK client whose server is ``answer`` (request JSON -> response)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return answer(json.loads(request.content))
+
+    transport = httpx.MockTransport(handle)
+    return openai.OpenAI(
+        api_key="unused", base_url="http://test/v1", http_client=httpx.Client(transport=transport)
+    )
+
+
+def sse(events: list[dict[str, Any]]) -> httpx.Response:
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+
+def test_completion_response_parses_strictly_and_through_the_sdk():
+    logprobs = completion_logprobs(ENTRIES)
+    choices = [
+        responses.completion_choice(0, "Hello", "length", logprobs),
+        responses.completion_choice(1, "Hi", "stop"),
+    ]
+    response = responses.completion_response("cmpl-1", "m", choices, 3, 5, created=7)
+    body = to_json_dict(response)
+    assert Completion.model_validate(body) == response
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["choices"][1]["logprobs"] is None
+
+    client = sdk_client(lambda _: httpx.Response(200, json=body))
+    parsed = client.completions.create(model="m", prompt="x", logprobs=2)
+    assert [c.text for c in parsed.choices] == ["Hello", "Hi"]
+    assert parsed.choices[0].logprobs is not None
+    assert parsed.choices[0].logprobs.tokens == ["Hel", "lo", "é"]
+
+
+def test_completion_stream_through_the_sdk():
+    created = responses.now()
+    chunks = [
+        responses.completion_chunk(
+            "cmpl-1", "m", created, responses.completion_stream_choice(0, "Hel"), include_usage=True
+        ),
+        responses.completion_chunk(
+            "cmpl-1",
+            "m",
+            created,
+            responses.completion_stream_choice(0, "lo", "stop"),
+            include_usage=True,
+        ),
+        responses.completion_chunk(
+            "cmpl-1", "m", created, usage=responses.completion_usage(2, 2), include_usage=True
+        ),
+    ]
+    events = [to_json_dict(chunk) for chunk in chunks]
+    assert events[0]["choices"][0]["finish_reason"] is None
+    assert [e["usage"] for e in events[:2]] == [None, None]
+    assert events[2]["choices"] == []
+
+    client = sdk_client(lambda _: sse(events))
+    stream = list(client.completions.create(model="m", prompt="x", stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "Hello"
+    assert stream[1].choices[0].finish_reason == "stop"
+    assert stream[-1].usage is not None and stream[-1].usage.total_tokens == 4
+
+
+def test_stream_chunks_have_no_usage_unless_asked():
+    choice = responses.completion_stream_choice(0, "x")
+    assert "usage" not in to_json_dict(responses.completion_chunk("c", "m", 1, choice))
+    chat_choice = responses.chat_stream_choice(0, "x")
+    assert "usage" not in to_json_dict(responses.chat_chunk("c", "m", 1, chat_choice))
+
+
+def test_chat_response_parses_strictly_and_through_the_sdk():
+    choice = responses.chat_choice(0, "Hello", "stop", chat_logprobs(ENTRIES))
+    response = responses.chat_response("chatcmpl-1", "m", [choice], 4, 3)
+    body = to_json_dict(response)
+    assert ChatCompletion.model_validate(body) == response
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+
+    client = sdk_client(lambda _: httpx.Response(200, json=body))
+    parsed = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert parsed.choices[0].message.content == "Hello"
+    assert parsed.choices[0].logprobs is not None
+    assert parsed.choices[0].logprobs.content is not None
+    assert parsed.choices[0].logprobs.content[2].logprob == FLOOR_LOGPROB
+
+
+def test_chat_stream_role_first_finish_last_usage_after():
+    created = responses.now()
+    choices = [
+        responses.chat_stream_choice(0, "", first=True),
+        responses.chat_stream_choice(0, "Hel"),
+        responses.chat_stream_choice(0, "lo"),
+        responses.chat_stream_choice(0, finish_reason="length"),
+    ]
+    chunks = [responses.chat_chunk("c", "m", created, c, include_usage=True) for c in choices]
+    usage = responses.completion_usage(3, 2)
+    chunks.append(responses.chat_chunk("c", "m", created, usage=usage, include_usage=True))
+    events = [to_json_dict(chunk) for chunk in chunks]
+    for event in events:
+        ChatCompletionChunk.model_validate(event)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {},
+    ]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, None, "length"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 5
+
+    client = sdk_client(lambda _: sse(events))
+    stream = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "Hello"
+    assert stream[-1].usage is not None and stream[-1].usage.completion_tokens == 2
+
+
+def test_chat_stream_logprobs():
+    logprobs = chat_logprobs(ENTRIES[:1])
+    event = to_json_dict(
+        responses.chat_chunk("c", "m", 1, responses.chat_stream_choice(0, "Hel", logprobs=logprobs))
+    )
+    assert event["choices"][0]["logprobs"]["content"][0]["token"] == "Hel"
+    ChatCompletionChunk.model_validate(event)
+
+
+def test_completion_logprobs_format():
+    logprobs = completion_logprobs(ENTRIES, text_offset=10)
+    assert logprobs.tokens == ["Hel", "lo", "é"]
+    assert logprobs.token_logprobs == [-0.5, -0.25, FLOOR_LOGPROB]
+    assert logprobs.top_logprobs == [
+        {"Hel": -0.5, "He": -1.5},
+        {"lo": -0.25},
+        {"é": FLOOR_LOGPROB, "e": FLOOR_LOGPROB},
+    ]
+    assert logprobs.text_offset == [10, 13, 15]
+    json.dumps(logprobs.model_dump(), allow_nan=False)  # no -Infinity / NaN in the JSON
+
+
+def test_chat_logprobs_format():
+    content = chat_logprobs(ENTRIES)
+    assert [t.token for t in content] == ["Hel", "lo", "é"]
+    assert content[2].bytes == [0xC3, 0xA9]
+    assert content[2].logprob == FLOOR_LOGPROB
+    assert [(t.token, t.logprob, t.bytes) for t in content[0].top_logprobs] == [
+        ("Hel", -0.5, [72, 101, 108]),
+        ("He", -1.5, [72, 101]),
+    ]
+    assert chat_logprobs([TokenLogprobText("x", -1.0)])[0].top_logprobs == []
+
+
+@pytest.mark.parametrize("vector", [[0.1, -2.5, 3.0e-8], np.array([1.0, 2.0], dtype=np.float64)])
+def test_base64_round_trip(vector):
+    encoded = responses.embedding_to_base64(vector)
+    decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+    np.testing.assert_array_equal(decoded, np.asarray(vector, dtype=np.float32))
+    assert base64.b64decode(encoded) == struct.pack(f"<{len(vector)}f", *vector)
+
+
+def test_embedding_response_float_and_base64():
+    vectors = np.array([[0.5, -0.25], [1.0, 0.0]], dtype=np.float32)
+    floats = to_json_dict(responses.embedding_response("m", vectors, prompt_tokens=6))
+    assert CreateEmbeddingResponse.model_validate(floats)
+    assert floats["object"] == "list"
+    assert floats["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+    assert [d["index"] for d in floats["data"]] == [0, 1]
+    assert floats["data"][0] == {"object": "embedding", "index": 0, "embedding": [0.5, -0.25]}
+    as_base64 = to_json_dict(responses.embedding_response("m", vectors, 6, as_base64=True))
+    assert as_base64["data"][1]["embedding"] == responses.embedding_to_base64([1.0, 0.0])
+
+
+@pytest.mark.parametrize("encoding_format", [None, "float", "base64"])
+def test_embeddings_through_the_sdk(encoding_format):
+    """The SDK asks for base64 unless told otherwise, and decodes it itself."""
+    vectors = [[0.1, 0.2, 0.3], [-1.0, 0.5, 0.0]]
+
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        request = EmbeddingRequest.model_validate(body)
+        response = responses.embedding_response("m", vectors, 4, as_base64=request.base64)
+        return httpx.Response(200, json=to_json_dict(response))
+
+    kwargs = {} if encoding_format is None else {"encoding_format": encoding_format}
+    parsed = sdk_client(answer).embeddings.create(model="m", input=["a", "b"], **kwargs)
+    if encoding_format == "base64":
+        got = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in parsed.data]
+    else:
+        got = [np.asarray(d.embedding) for d in parsed.data]
+    np.testing.assert_allclose(np.stack(got), np.asarray(vectors), rtol=1e-6)
+
+
+def test_rerank_response_sorted_and_top_n():
+    scores = [0.1, 0.9, 0.5, 0.9]
+    body = to_json_dict(
+        responses.rerank_response("m", scores, ["a", "b", "c", "d"], 12, top_n=3, request_id="r")
+    )
+    assert body["id"] == "r" and body["model"] == "m" and body["usage"] == {"total_tokens": 12}
+    assert body["results"] == [
+        {"index": 1, "relevance_score": 0.9, "document": {"text": "b"}},
+        {"index": 3, "relevance_score": 0.9, "document": {"text": "d"}},
+        {"index": 2, "relevance_score": 0.5, "document": {"text": "c"}},
+    ]
+
+
+def test_rerank_response_without_documents():
+    body = to_json_dict(
+        responses.rerank_response("m", [0.2, 0.3], ["a", "b"], 4, return_documents=False)
+    )
+    assert body["results"] == [
+        {"index": 1, "relevance_score": 0.3},
+        {"index": 0, "relevance_score": 0.2},
+    ]
+    assert body["id"].startswith("rerank-")
+
+
+def test_ids_and_timestamps():
+    assert responses.new_id("chatcmpl").startswith("chatcmpl-")
+    assert responses.new_id("cmpl") != responses.new_id("cmpl")
+    assert math.isclose(responses.now(), responses.now(), abs_tol=2)
