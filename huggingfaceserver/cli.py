@@ -84,6 +84,8 @@ class ServerConfig:
     """Token classification: add character offsets."""
     return_labels: bool = False
     """Classification: the model's id2label names instead of class indices."""
+    chat_template: str | None = None
+    """A chat template (Jinja text, or the path of a file holding one) for chat requests."""
     disable_log_requests: bool = False
     """Do not log requests."""
     max_log_len: int | None = None
@@ -178,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag("return_offsets_mapping", "token classification: add character offsets")
     add_flag("return_labels", "classification: id2label names instead of class indices")
+    add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")
     add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
     return parser

@@ -57,6 +57,12 @@ class NotReady(ServerError):
     status_code = HTTPStatus.SERVICE_UNAVAILABLE
 
 
+class ClientClosedRequest(ServerError):
+    """The client went away before the answer was ready (nginx's 499; nobody reads it)."""
+
+    status_code = 499
+
+
 class UpstreamError(ServerError):
     """The remote predictor (transformer mode) failed or is unreachable (502)."""
 

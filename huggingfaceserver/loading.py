@@ -146,6 +146,19 @@ def resolve_dtype(flag: str, task: Task, on_gpu: bool) -> torch.dtype:
     return torch.float32
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat_template``: the Jinja text itself, or the path of a file that holds it."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value and (path.suffix in (".jinja", ".j2", ".txt") or os.sep in value):
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise StartupError(f"cannot read the chat template file {path}: {exc}") from None
+    return value
+
+
 def load_tokenizer(source: ModelSource, config: ServerConfig) -> PreTrainedTokenizerBase:
     kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
     if config.encode_lower_case is not None:

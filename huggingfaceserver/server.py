@@ -22,6 +22,7 @@ from .backends import choose_backend
 from .backends.base import EncoderBackend
 from .backends.remote import RemoteEncoder
 from .backends.transformers import TransformersEncoder
+from .backends.transformers_generation import TransformersGenerator
 from .cli import ServerConfig
 from .errors import (
     BadRequest,
@@ -31,8 +32,8 @@ from .errors import (
     server_error_handler,
     validation_error_handler,
 )
-from .loading import load_source
-from .protocols.kserve_model import EncoderModel, RequestLogging
+from .loading import load_source, read_chat_template
+from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 from .protocols.openai.models import ServedModels
 from .protocols.openai.routes import mount_openai, route_prefix
 
@@ -60,7 +61,7 @@ class ModelAwareDataPlane(DataPlane):
         return super().decode_inference_request(body, headers, model_name)
 
 
-def build_model(config: ServerConfig) -> EncoderModel:
+def build_model(config: ServerConfig) -> BackendModel:
     """Everything short of loading weights: locate the model, read its config, pick a backend.
 
     Raises :class:`StartupError` for anything the user must fix, before serving starts.
@@ -70,19 +71,19 @@ def build_model(config: ServerConfig) -> EncoderModel:
     source = load_source(config)
     choice = choose_backend(config.backend, source.task, source.config.architectures or [])
     logger.info("backend %s: %s", choice.name, choice.reason)
-    if source.task.is_generative:
-        raise StartupError(
-            f"task {source.task.value} is not served by this version; "
-            "encoder tasks are: fill_mask, token_classification, "
-            "sequence_classification, text_embedding"
-        )
     if choice.name == "vllm":
-        raise StartupError("the vLLM backend does not serve encoder tasks in this version")
+        raise StartupError(
+            "the vLLM backend is not available in this version; use --backend huggingface"
+        )
     if config.engine_flags:
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in config.engine_flags),
         )
+    if source.task.is_generative:
+        generator = TransformersGenerator(source, config)
+        template = read_chat_template(config.chat_template)
+        return GenerationModel(config.model_name, source.task, generator, template)
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
     backend: EncoderBackend
@@ -100,7 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
 
-async def load_in_background(model: EncoderModel, failures: list[StartupError]) -> None:
+async def load_in_background(model: BackendModel, failures: list[StartupError]) -> None:
     """Load the weights off the event loop while the server already answers health probes.
 
     A failure is kept in ``failures`` and shuts the server down the normal way (SIGTERM), so

@@ -37,6 +37,7 @@ CONTRACT_DEFAULTS = {
     "return_labels": False,
     "disable_log_requests": False,
     "max_log_len": None,
+    "chat_template": None,
 }
 
 KSERVE_DEFAULTS = {
@@ -70,6 +71,7 @@ OWN_FLAGS = {
     "return_labels": (None, True),
     "disable_log_requests": (None, True),
     "max_log_len": ("100", 100),
+    "chat_template": ("{{ messages }}", "{{ messages }}"),
 }
 
 
@@ -319,15 +321,6 @@ def test_main_exits_1_with_one_line_for_a_missing_model_dir():
     line = last_line(result.stderr)
     assert line.startswith("huggingfaceserver: error: ")
     assert "/nonexistent/path" in line
-
-
-def test_main_refuses_a_generative_model_for_now(tiny_models):
-    result = run_main("--model_dir", str(tiny_models["gpt2"]))
-    assert result.returncode == 1
-    assert "Traceback" not in result.stderr
-    line = last_line(result.stderr)
-    assert line.startswith("huggingfaceserver: error: ")
-    assert "text_generation" in line
 
 
 def test_main_says_how_to_install_vllm(tiny_models):

@@ -43,6 +43,9 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     GPT2Tokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
     T5Config,
     T5ForConditionalGeneration,
     T5Tokenizer,
@@ -53,6 +56,13 @@ MAX_LENGTH = 128
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 GPT2_EOS = "<|endoftext|>"
 T5_SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
+LLAMA_BOS, LLAMA_EOS = "<s>", "</s>"
+# "<|role|>\ncontent\n" per message, then "<|assistant|>\n" as the generation prompt
+LLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 ALPHABET = string.ascii_letters + string.digits + string.punctuation
 
 CORPUS = [
@@ -152,8 +162,8 @@ def train_wordpiece_tokenizer(
     return hf_tokenizer
 
 
-def train_bytelevel_bpe_tokenizer(out_dir: str | Path) -> GPT2Tokenizer:
-    """Train a GPT-2 byte-level BPE tokenizer on :data:`CORPUS`, save it to ``out_dir``, return it.
+def _train_bytelevel_bpe(special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE ``Tokenizer`` trained on :data:`CORPUS`; the special tokens come first.
 
     ``BpeTrainer`` is deterministic here: without a subword prefix every id
     comes from the sorted byte alphabet or from a merge.
@@ -161,15 +171,49 @@ def train_bytelevel_bpe_tokenizer(out_dir: str | Path) -> GPT2Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=[GPT2_EOS],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return tokenizer
+
+
+def train_bytelevel_bpe_tokenizer(out_dir: str | Path) -> GPT2Tokenizer:
+    """A GPT-2 byte-level BPE tokenizer trained on :data:`CORPUS`, saved to ``out_dir``."""
+    tokenizer = _train_bytelevel_bpe([GPT2_EOS])
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     hf_tokenizer = GPT2Tokenizer(tokenizer_object=tokenizer, model_max_length=MAX_LENGTH)
+    hf_tokenizer.save_pretrained(out_dir)
+    return hf_tokenizer
+
+
+def train_llama_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """A Llama-3-style byte-level BPE tokenizer (``<s>`` 0, ``</s>`` 1) with a chat template.
+
+    Encoding adds ``<s>`` in front, and so does the chat template (as Llama's do): chat
+    prompts are meant to be tokenized with ``add_special_tokens=False``.
+    """
+    tokenizer = _train_bytelevel_bpe([LLAMA_BOS, LLAMA_EOS])
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{LLAMA_BOS} $A",
+                pair=f"{LLAMA_BOS} $A {LLAMA_BOS} $B",
+                special_tokens=[(LLAMA_BOS, 0)],
+            ),
+        ]
+    )
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=LLAMA_BOS,
+        eos_token=LLAMA_EOS,
+        model_max_length=MAX_LENGTH,
+    )
+    hf_tokenizer.chat_template = LLAMA_CHAT_TEMPLATE
     hf_tokenizer.save_pretrained(out_dir)
     return hf_tokenizer
 
@@ -328,6 +372,24 @@ def build_gpt2_lm(out_dir: str | Path) -> Path:
     return _save_model(GPT2LMHeadModel, config, out_dir)
 
 
+def build_llama(out_dir: str | Path) -> Path:
+    """LlamaForCausalLM (2 layers, 2 heads, 2 kv heads) with a byte-level BPE chat tokenizer."""
+    tokenizer = train_llama_tokenizer(out_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LENGTH,
+        initializer_range=0.4,  # 20x the default: greedy text that varies with the context
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return _save_model(LlamaForCausalLM, config, out_dir)
+
+
 def build_t5(out_dir: str | Path) -> Path:
     """T5ForConditionalGeneration with a Unigram tokenizer; decoding starts at ``<pad>`` (0)."""
     tokenizer = train_t5_tokenizer(out_dir)
@@ -355,6 +417,7 @@ BUILDERS = {
     "st_mean_nonorm": partial(build_sentence_transformers, pooling="mean", normalize=False),
     "st_lasttoken": partial(build_sentence_transformers, pooling="lasttoken"),
     "gpt2": build_gpt2_lm,
+    "llama": build_llama,
     "t5": build_t5,
 }
 

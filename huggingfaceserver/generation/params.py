@@ -4,6 +4,9 @@ yields, so a request means the same thing whichever backend serves it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,9 @@ class SamplingParams:
     max_tokens: int | None = None
     """New tokens at most; None: up to the context length."""
     min_tokens: int = 0
-    """EOS and stop token ids are suppressed until this many tokens are generated."""
+    """EOS and stop token ids are suppressed until this many tokens are generated (EOS not
+    with ignore_eos, where it is a regular token), and stop strings are not looked for in
+    those first tokens (as vLLM)."""
     temperature: float = 1.0
     """0 means greedy, whatever the model's generation config says."""
     top_p: float = 1.0
@@ -26,7 +31,8 @@ class SamplingParams:
     """0 (or -1) disables top-k."""
     min_p: float = 0.0
     seed: int | None = None
-    """Per-request generator seed; never touches the global RNG."""
+    """Per-request generator seed; never touches the global RNG. With n > 1, choice i draws
+    with seed + i (as vLLM), so the choices differ and each is reproducible."""
     presence_penalty: float = 0.0
     """OpenAI's additive penalty: logit -= presence_penalty if the token occurred in the output."""
     frequency_penalty: float = 0.0
@@ -40,7 +46,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    """None: no logprobs; k >= 0: the sampled token's logprob plus the top k alternatives."""
+    """None: no logprobs; k >= 0: the sampled token's logprob plus the top k alternatives,
+    from the model's raw logits (before bias, penalties and temperature)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -70,6 +77,6 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     """None until the choice's last delta: then "stop" (EOS, stop string, stop token) or
     "length" (max_tokens or the context limit)."""

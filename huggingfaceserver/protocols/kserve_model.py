@@ -65,9 +65,12 @@ class BackendModel(Model):
 class GenerationModel(BackendModel):
     """A generative model: served on the OpenAI routes; KServe V1/V2 inference is refused."""
 
-    def __init__(self, name: str, task: Task, backend: GenerationBackend):
+    def __init__(
+        self, name: str, task: Task, backend: GenerationBackend, chat_template: str | None
+    ):
         super().__init__(name, task)
         self.backend = backend
+        self.chat_template = chat_template
 
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
         raise BadRequest(

@@ -23,7 +23,9 @@ from ...errors import ServerError
 from .encoder_requests import EmbeddingRequest, RerankRequest
 from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
+from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import to_json_dict
+from .serving_chat import create_chat_completion, create_completion
 from .serving_encoders import create_embeddings, create_rerank
 
 PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
@@ -68,6 +70,16 @@ def json(response: BaseModel) -> JSONResponse:
 def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     """The routes; ``kserve_compatible`` merges the model routes with KServe's V1 shapes."""
     router = APIRouter(route_class=OpenAIRoute)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        return await create_completion(models, body, request)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
+        return await create_chat_completion(models, body, request)
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

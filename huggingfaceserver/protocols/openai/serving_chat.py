@@ -1,0 +1,257 @@
+"""The completion and chat handlers: non-streamed responses and Server-Sent Event streams."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from ...backends.base import GenerationBackend
+from ...errors import ServerError
+from ...generation.params import ChoiceDelta
+from .errors import OpenAIErrorResponse
+from .logprobs import chat_logprobs, completion_logprobs
+from .models import ServedModels
+from .requests import ChatCompletionRequest, CompletionRequest
+from .responses import (
+    chat_choice,
+    chat_chunk,
+    chat_response,
+    chat_stream_choice,
+    completion_choice,
+    completion_chunk,
+    completion_response,
+    completion_stream_choice,
+    completion_usage,
+    new_id,
+    now,
+    to_json_dict,
+)
+from .serving_generation import (
+    SSE_DONE,
+    Job,
+    chat_prompt,
+    collect,
+    completion_prompts,
+    generate_all,
+    logprob_texts,
+    plan_jobs,
+    resolve_generation,
+    sse,
+    until_disconnected,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Exchange:
+    """A request on its way: who serves it and what to generate."""
+
+    request_id: str
+    model: str
+    created: int
+    backend: GenerationBackend
+    jobs: list[Job]
+    include_usage: bool
+    want_logprobs: bool
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.backend.tokenizer
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(job.prompt_ids) for job in self.jobs)
+
+    def job_of(self, index: int) -> Job:
+        n = self.jobs[0].params.n
+        return self.jobs[index // n]
+
+
+async def create_completion(
+    models: ServedModels, request: CompletionRequest, raw: Request
+) -> Response:
+    model, backend = resolve_generation(models, request.model, "/v1/completions")
+    params = request.to_sampling_params()
+    jobs = plan_jobs(backend, completion_prompts(backend.tokenizer, request), params, "prompt")
+    exchange = Exchange(
+        new_id("cmpl"),
+        model.name,
+        now(),
+        backend,
+        jobs,
+        request.include_usage,
+        params.logprobs is not None,
+    )
+    echo = bool(request.echo)
+    if request.stream:
+        return event_stream(completion_events(exchange, echo))
+    states = await until_disconnected(raw, collect(backend, jobs))
+    choices = []
+    for index, state in enumerate(states):
+        prefix = exchange.job_of(index).prompt_text if echo else ""
+        logprobs = None
+        if exchange.want_logprobs:
+            logprobs = completion_logprobs(
+                logprob_texts(exchange.tokenizer, state.logprobs), len(prefix)
+            )
+        text = prefix + "".join(state.text)
+        choices.append(completion_choice(index, text, state.final_reason, logprobs))
+    completion_tokens = sum(s.tokens for s in states)
+    response = completion_response(
+        exchange.request_id,
+        model.name,
+        choices,
+        exchange.prompt_tokens,
+        completion_tokens,
+        exchange.created,
+    )
+    return JSONResponse(to_json_dict(response))
+
+
+async def create_chat_completion(
+    models: ServedModels, request: ChatCompletionRequest, raw: Request
+) -> Response:
+    model, backend = resolve_generation(models, request.model, "/v1/chat/completions")
+    params = request.to_sampling_params()
+    prompt = chat_prompt(backend.tokenizer, request, model.chat_template)
+    jobs = plan_jobs(backend, [prompt], params, "messages")
+    exchange = Exchange(
+        new_id("chatcmpl"),
+        model.name,
+        now(),
+        backend,
+        jobs,
+        request.include_usage,
+        params.logprobs is not None,
+    )
+    if request.stream:
+        return event_stream(chat_events(exchange))
+    states = await until_disconnected(raw, collect(backend, jobs))
+    choices = []
+    for index, state in enumerate(states):
+        logprobs = None
+        if exchange.want_logprobs:
+            logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, state.logprobs))
+        choices.append(chat_choice(index, "".join(state.text), state.final_reason, logprobs))
+    completion_tokens = sum(s.tokens for s in states)
+    response = chat_response(
+        exchange.request_id,
+        model.name,
+        choices,
+        exchange.prompt_tokens,
+        completion_tokens,
+        exchange.created,
+    )
+    return JSONResponse(to_json_dict(response))
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def framed(
+    exchange: Exchange,
+    chunk_for: Callable[[int, ChoiceDelta], dict[str, Any] | None],
+    usage_chunk: Callable[[int], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """The SSE framing both routes share: a chunk per delta, the usage chunk when asked for,
+    an error event (not a cut connection) if generation fails, then ``[DONE]``."""
+    completion_tokens = 0
+    try:
+        async for index, delta in generate_all(exchange.backend, exchange.jobs):
+            completion_tokens += len(delta.token_ids)
+            chunk = chunk_for(index, delta)
+            if chunk is not None:
+                yield sse(chunk)
+        if exchange.include_usage:
+            yield sse(usage_chunk(completion_tokens))
+    except ServerError as exc:
+        yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
+    except Exception:  # the stream has started: report it in-band, never cut the connection
+        logger.exception("generation failed in request %s", exchange.request_id)
+        yield sse(OpenAIErrorResponse.build("generation failed", 500).model_dump())
+    yield SSE_DONE
+
+
+def _has_content(delta: ChoiceDelta) -> bool:
+    return bool(delta.text or delta.finish_reason or delta.logprobs)
+
+
+def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
+    sent: dict[int, int] = {}
+
+    def chunk_for(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        first = index not in sent
+        prefix = exchange.job_of(index).prompt_text if echo and first else ""
+        if not (prefix or _has_content(delta)):
+            return None
+        offset = sent.get(index, 0) + len(prefix)
+        logprobs = None
+        if exchange.want_logprobs:
+            texts = logprob_texts(exchange.tokenizer, delta.logprobs or [])
+            logprobs = completion_logprobs(texts, offset)
+        text = prefix + delta.text
+        sent[index] = sent.get(index, 0) + len(text)
+        choice = completion_stream_choice(index, text, delta.finish_reason, logprobs)
+        return to_json_dict(
+            completion_chunk(
+                exchange.request_id,
+                exchange.model,
+                exchange.created,
+                choice,
+                include_usage=exchange.include_usage,
+            )
+        )
+
+    def usage_chunk(completion_tokens: int) -> dict[str, Any]:
+        usage = completion_usage(exchange.prompt_tokens, completion_tokens)
+        return to_json_dict(
+            completion_chunk(exchange.request_id, exchange.model, exchange.created, usage=usage)
+        )
+
+    return framed(exchange, chunk_for, usage_chunk)
+
+
+def chat_events(exchange: Exchange) -> AsyncIterator[str]:
+    started: set[int] = set()
+
+    def chunk_for(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not _has_content(delta):
+            return None
+        first = index not in started
+        started.add(index)
+        logprobs = None
+        if exchange.want_logprobs:
+            logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, delta.logprobs or []))
+        text = delta.text if (delta.text or first) else None
+        choice = chat_stream_choice(
+            index,
+            text,
+            delta.finish_reason,
+            logprobs,
+            first=first,
+        )
+        return to_json_dict(
+            chat_chunk(
+                exchange.request_id,
+                exchange.model,
+                exchange.created,
+                choice,
+                include_usage=exchange.include_usage,
+            )
+        )
+
+    def usage_chunk(completion_tokens: int) -> dict[str, Any]:
+        usage = completion_usage(exchange.prompt_tokens, completion_tokens)
+        return to_json_dict(
+            chat_chunk(exchange.request_id, exchange.model, exchange.created, usage=usage)
+        )
+
+    return framed(exchange, chunk_for, usage_chunk)
