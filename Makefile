@@ -12,7 +12,9 @@ GRPC_PORT ?= 8081
 MODEL_NAME ?= minilm
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format clean
+LLM_DIR ?= .cache/tiny-llama
+
+.PHONY: install run run-llm test lint format clean
 
 install: $(STAMP)
 
@@ -35,6 +37,14 @@ run: install
 	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir "$$MODEL_DIR" \
 		--model_name $(MODEL_NAME) --task text_embedding \
 		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
+
+# A tiny random Llama with a chat template, built offline: the OpenAI generation examples of the
+# README run against it as written (its text is gibberish; serve a real model with --model_id).
+run-llm: install
+	test -f $(LLM_DIR)/config.json || $(BIN)/python -c \
+		"from tests.tiny_models import build_llama; build_llama('$(LLM_DIR)')"
+	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir $(LLM_DIR) \
+		--model_name llm --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -364,6 +364,9 @@ class TransformersGenerator(GenerationBackend):
         except Exception as exc:  # the request fails, not the worker
             emit(exc)
         else:
+            if cancelled.is_set():
+                generated = max(len(row.output_ids) for row in rows)
+                logger.info("generation cancelled (client gone) after %d tokens", generated)
             emit(None)
 
     async def generate(
