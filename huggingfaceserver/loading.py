@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from .cli import ServerConfig
 from .errors import StartupError
@@ -144,6 +150,22 @@ def resolve_dtype(flag: str, task: Task, on_gpu: bool) -> torch.dtype:
     if task.is_generative and on_gpu:
         return torch.float16
     return torch.float32
+
+
+def load_pretrained(
+    model_class: Any, source: ModelSource, config: ServerConfig, dtype: torch.dtype
+) -> PreTrainedModel:
+    """``model_class.from_pretrained`` on the model's folder, on this device, in eval mode."""
+    try:
+        model = model_class.from_pretrained(
+            source.path,
+            config=source.config,
+            dtype=dtype,
+            trust_remote_code=config.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"cannot load the model in {source.path}: {exc}") from None
+    return model.to(device()).eval()
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -11,8 +11,7 @@ import transformers
 from transformers import BatchEncoding
 
 from ..cli import ServerConfig
-from ..errors import StartupError
-from ..loading import ModelSource, device, resolve_dtype
+from ..loading import ModelSource, device, load_pretrained, resolve_dtype
 from .tokenizing import TokenizingEncoder
 
 logger = logging.getLogger(__name__)
@@ -30,16 +29,7 @@ class TransformersEncoder(TokenizingEncoder):
 
     def load_model(self) -> None:
         auto_class = getattr(transformers, self.task.auto_model)
-        try:
-            model = auto_class.from_pretrained(
-                self.source.path,
-                config=self.source.config,
-                dtype=self.dtype,
-                trust_remote_code=self.config.trust_remote_code,
-            )
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"cannot load the model in {self.source.path}: {exc}") from None
-        self.model = model.to(self.device).eval()
+        self.model = load_pretrained(auto_class, self.source, self.config, self.dtype)
         self.model_inputs = set(inspect.signature(self.model.forward).parameters)
         logger.info(
             "loaded %s (%s, %s on %s, max length %d)",

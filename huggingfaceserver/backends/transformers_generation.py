@@ -34,7 +34,7 @@ from ..errors import BadRequest, StartupError
 from ..generation.detokenize import IncrementalDetokenizer
 from ..generation.logits import choose_next_tokens
 from ..generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
-from ..loading import ModelSource, device, load_tokenizer, resolve_dtype
+from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
 from ..tasks import Task
 from .base import GenerationBackend
 from .tokenizing import UNSET_MAX_LENGTH
@@ -238,16 +238,8 @@ class TransformersGenerator(GenerationBackend):
         if model_class is None:
             raise StartupError(f"{self.source.task.value} is not a generation task")
         self.tokenizer = load_tokenizer(self.source, self.config)
-        try:
-            model = model_class.from_pretrained(
-                self.source.path,
-                config=self.source.config,
-                dtype=self.dtype,
-                trust_remote_code=self.config.trust_remote_code,
-            )
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"cannot load the model in {self.source.path}: {exc}") from None
-        self.model: PreTrainedModel = model.to(self.device).eval()
+        model = load_pretrained(model_class, self.source, self.config, self.dtype)
+        self.model: PreTrainedModel = model
         self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
         self.decoder_start_token_id = self._decoder_start_token_id()
         self.max_model_len = resolve_context_length(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
@@ -158,20 +158,23 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def framed(
     exchange: Exchange,
-    chunk_for: Callable[[int, ChoiceDelta], dict[str, Any] | None],
-    usage_chunk: Callable[[int], dict[str, Any]],
+    choice_for: Callable[[int, ChoiceDelta], BaseModel | None],
+    chunk: Callable[..., BaseModel],
 ) -> AsyncIterator[str]:
-    """The SSE framing both routes share: a chunk per delta, the usage chunk when asked for,
-    an error event (not a cut connection) if generation fails, then ``[DONE]``."""
+    """The SSE framing both routes share: a chunk per delta (``chunk`` builds it around the
+    choice ``choice_for`` gives, None to send nothing), the usage chunk when asked for, an
+    error event (not a cut connection) if generation fails, then ``[DONE]``."""
+    ids = (exchange.request_id, exchange.model, exchange.created)
     completion_tokens = 0
     try:
         async for index, delta in generate_all(exchange.backend, exchange.jobs):
             completion_tokens += len(delta.token_ids)
-            chunk = chunk_for(index, delta)
-            if chunk is not None:
-                yield sse(chunk)
+            choice = choice_for(index, delta)
+            if choice is not None:
+                yield sse(to_json_dict(chunk(*ids, choice, include_usage=exchange.include_usage)))
         if exchange.include_usage:
-            yield sse(usage_chunk(completion_tokens))
+            usage = completion_usage(exchange.prompt_tokens, completion_tokens)
+            yield sse(to_json_dict(chunk(*ids, usage=usage)))
     except ServerError as exc:
         yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
     except Exception:  # the stream has started: report it in-band, never cut the connection
@@ -187,7 +190,7 @@ def _has_content(delta: ChoiceDelta) -> bool:
 def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
     sent: dict[int, int] = {}
 
-    def chunk_for(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
         first = index not in sent
         prefix = exchange.job_of(index).prompt_text if echo and first else ""
         if not (prefix or _has_content(delta)):
@@ -199,30 +202,15 @@ def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
             logprobs = completion_logprobs(texts, offset)
         text = prefix + delta.text
         sent[index] = sent.get(index, 0) + len(text)
-        choice = completion_stream_choice(index, text, delta.finish_reason, logprobs)
-        return to_json_dict(
-            completion_chunk(
-                exchange.request_id,
-                exchange.model,
-                exchange.created,
-                choice,
-                include_usage=exchange.include_usage,
-            )
-        )
+        return completion_stream_choice(index, text, delta.finish_reason, logprobs)
 
-    def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-        usage = completion_usage(exchange.prompt_tokens, completion_tokens)
-        return to_json_dict(
-            completion_chunk(exchange.request_id, exchange.model, exchange.created, usage=usage)
-        )
-
-    return framed(exchange, chunk_for, usage_chunk)
+    return framed(exchange, choice_for, completion_chunk)
 
 
 def chat_events(exchange: Exchange) -> AsyncIterator[str]:
     started: set[int] = set()
 
-    def chunk_for(index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
         if not _has_content(delta):
             return None
         first = index not in started
@@ -231,27 +219,6 @@ def chat_events(exchange: Exchange) -> AsyncIterator[str]:
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, delta.logprobs or []))
         text = delta.text if (delta.text or first) else None
-        choice = chat_stream_choice(
-            index,
-            text,
-            delta.finish_reason,
-            logprobs,
-            first=first,
-        )
-        return to_json_dict(
-            chat_chunk(
-                exchange.request_id,
-                exchange.model,
-                exchange.created,
-                choice,
-                include_usage=exchange.include_usage,
-            )
-        )
+        return chat_stream_choice(index, text, delta.finish_reason, logprobs, first=first)
 
-    def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-        usage = completion_usage(exchange.prompt_tokens, completion_tokens)
-        return to_json_dict(
-            chat_chunk(exchange.request_id, exchange.model, exchange.created, usage=usage)
-        )
-
-    return framed(exchange, chunk_for, usage_chunk)
+    return framed(exchange, choice_for, chat_chunk)
