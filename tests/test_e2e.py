@@ -167,6 +167,24 @@ def test_grpc_int64_input_is_invalid_argument(server):
     assert "BYTES" in answer["message"] and "INT64" in answer["message"]
 
 
+def test_openai_sdk_embeddings_and_rerank(server, v1_embeddings):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/openai/v1", api_key="unused")
+    response = client.embeddings.create(model="minilm", input=SENTENCES)
+    got = np.array([d.embedding for d in response.data])
+    np.testing.assert_allclose(got, v1_embeddings, atol=1e-6)
+    assert response.usage.prompt_tokens > 0
+    assert [m.id for m in client.models.list().data] == ["minilm"]
+    rerank = httpx.post(
+        f"{server.url}/openai/v1/rerank",
+        json={"model": "minilm", "query": SENTENCES[0], "documents": [SENTENCES[1], "A violin."]},
+    ).json()
+    assert rerank["results"][0]["index"] == 0
+    cosine = float(v1_embeddings[0] @ v1_embeddings[1])
+    assert rerank["results"][0]["relevance_score"] == pytest.approx(cosine, abs=1e-5)
+
+
 def test_sigterm_stops_the_server_with_status_0(tiny_models, tmp_path):
     args = ["--model_dir", str(tiny_models["st_cls"]), "--model_name", "tiny"]
     with run_server(args, tmp_path) as process:
