@@ -63,6 +63,11 @@ class GenerationBackend(ABC):
         """Load tokenizer and weights; afterwards ``tokenizer`` and ``max_model_len`` are set."""
 
     @abstractmethod
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise :class:`BadRequest` for what the model cannot do (token ids outside its
+        vocabulary, ...): called before any response is sent, so a stream never starts."""
+
+    @abstractmethod
     def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[list[ChoiceDelta]]:

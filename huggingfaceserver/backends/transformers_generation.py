@@ -318,7 +318,7 @@ class TransformersGenerator(GenerationBackend):
         if params.seed is None:
             generator.seed()  # from the OS, not from the global RNG
         else:
-            generator.manual_seed(params.seed + index)
+            generator.manual_seed((params.seed + index) % 2**64)  # torch takes 64 bits
         return generator
 
     def new_batch(self) -> DecodeBatch:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
@@ -67,7 +66,7 @@ def resolve_generation(
 
 def plan_jobs(
     backend: GenerationBackend,
-    prompts: list[tuple[list[int], str]],
+    prompts: list[tuple[list[int], str | None]],
     params: SamplingParams,
     param_name: str,
 ) -> list[Job]:
@@ -80,22 +79,25 @@ def plan_jobs(
         if len(ids) + wanted > limit or wanted < 1:
             raise context_length_error(limit, len(ids), max(wanted, 1), param=param_name)
         job_params = SamplingParams(**{**vars(params), "max_tokens": wanted})
+        backend.check_request(ids, job_params)
+        if text is None:
+            text = decode(backend.tokenizer, ids)
         jobs.append(Job(ids, text, job_params, number * params.n))
     return jobs
 
 
 def completion_prompts(
     tokenizer: PreTrainedTokenizerBase, request: CompletionRequest
-) -> list[tuple[list[int], str]]:
-    """(token ids, text) per prompt; texts are tokenized as the tokenizer does by default."""
-    out = []
+) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) per prompt; texts are tokenized as the tokenizer does by
+    default, token-id prompts are used as they are."""
+    out: list[tuple[list[int], str | None]] = []
     for prompt in request.prompts():
         if isinstance(prompt, str):
             out.append((tokenizer(prompt)["input_ids"], prompt))
         else:
             ids = list(prompt)
-            check_token_ids(tokenizer, ids)
-            out.append((ids, decode(tokenizer, ids)))
+            out.append((ids, None))  # decoded once the ids are known to be valid
     return out
 
 
@@ -105,16 +107,9 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return text
 
 
-def check_token_ids(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> None:
-    vocab = len(tokenizer)
-    bad = [i for i in ids if i >= vocab]
-    if bad:
-        raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-
-
 def chat_prompt(
     tokenizer: PreTrainedTokenizerBase, request: ChatCompletionRequest, server_template: str | None
-) -> tuple[list[int], str]:
+) -> tuple[list[int], str | None]:
     """Render the conversation with the chat template and tokenize it (no special tokens added a
     second time: the template writes them)."""
     template = request.chat_template or server_template or tokenizer.chat_template
@@ -132,8 +127,8 @@ def chat_prompt(
             continue_final_message=request.continue_final_message,
             **(request.chat_template_kwargs or {}),
         )
-    except (TemplateError, ValueError, TypeError) as exc:
-        raise BadRequest(f"the chat template failed on these messages: {exc}") from None
+    except Exception as exc:  # the template is code from the request or the model: any failure
+        raise BadRequest(f"the chat template failed on these messages: {exc!r}") from None
     assert isinstance(text, str)
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 

@@ -1,0 +1,216 @@
+"""A generative model served as a user starts it (``python -m huggingfaceserver``), driven by
+the official openai SDK and plain HTTP: completions, chat, streaming, concurrent requests, and
+generation that stops when the client goes away."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
+from tests.harness import ServerProcess, run_server
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+CANCELLED = re.compile(r"generation cancelled \(client gone\) after (\d+) tokens")
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_path: Path, tmp_path_factory):
+    args = ["--model_dir", str(llama_path), "--model_name", "llama"]
+    with run_server(args, tmp_path_factory.mktemp("e2e-openai")) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def root_server(llama_path: Path, tmp_path_factory):
+    """The same model with ``KSERVE_OPENAI_ROUTE_PREFIX=""``: the OpenAI routes at the root.
+
+    ``run_server`` passes this process's environment on, so the variable is set only while
+    the subprocess starts.
+    """
+    args = ["--model_dir", str(llama_path), "--model_name", "llama"]
+    stack = ExitStack()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(PREFIX_ENV, "")
+        process = stack.enter_context(run_server(args, tmp_path_factory.mktemp("e2e-root")))
+    with stack:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/openai/v1", api_key="x", timeout=60)
+
+
+@dataclass
+class Reference:
+    """The served model loaded straight from its folder with transformers."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> str:
+        """``model.generate``'s greedy text."""
+        with torch.no_grad():
+            output = self.model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+            )[0, len(prompt_ids) :]
+        return self.tokenizer.decode(output, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path: Path) -> Reference:
+    model = AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    return Reference(model, AutoTokenizer.from_pretrained(llama_path))
+
+
+def wait_for_cancellation(server: ServerProcess, since: int, timeout: float = 15.0) -> int:
+    """The token count of the first "generation cancelled" log line after offset ``since``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = CANCELLED.search(server.log()[since:])
+        if match:
+            return int(match.group(1))
+        time.sleep(0.05)
+    raise AssertionError(f"no cancellation logged within {timeout}s:\n{server.log()[since:]}")
+
+
+def test_completions(client, reference):
+    response = client.completions.create(
+        model="llama", prompt="Hello world", temperature=0, max_tokens=12
+    )
+    assert response.object == "text_completion"
+    (choice,) = response.choices
+    prompt_ids = reference.tokenizer("Hello world")["input_ids"]
+    assert choice.text == reference.greedy(prompt_ids, 12)
+    assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat(client, reference):
+    response = client.chat.completions.create(
+        model="llama", messages=MESSAGES, temperature=0, max_tokens=12
+    )
+    assert response.object == "chat.completion"
+    prompt_ids = reference.chat_ids(MESSAGES)
+    assert response.choices[0].message.content == reference.greedy(prompt_ids, 12)
+    assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_streaming_chat_equals_the_non_streamed_answer(client):
+    request = {"model": "llama", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    whole = client.chat.completions.create(**request)
+    chunks = list(
+        client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    *deltas, last = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in deltas[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == (
+        whole.choices[0].message.content
+    )
+    assert [c.choices[0].finish_reason for c in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.choices == [] and last.usage == whole.usage
+
+
+def test_embeddings_are_not_served_by_a_generative_model(client):
+    with pytest.raises(openai.BadRequestError, match="embeddings"):
+        client.embeddings.create(model="llama", input="Hello world")
+
+
+def test_concurrent_chat_requests_all_complete(client):
+    conversations = [[{"role": "user", "content": f"Tell me about {n} cats"}] for n in range(4)]
+
+    def chat(messages: list[dict[str, str]]) -> str:
+        response = client.chat.completions.create(
+            model="llama",
+            messages=messages,
+            temperature=0,
+            max_tokens=40,
+            extra_body={"ignore_eos": True},
+        )
+        assert response.choices[0].finish_reason == "length"
+        return response.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(chat, conversations))
+    assert together == [chat(messages) for messages in conversations]
+
+
+def test_a_client_that_leaves_a_stream_stops_generation(server):
+    since = len(server.log())
+    body = {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    received = []
+    url = f"{server.url}/openai/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                received.append(json.loads(line.removeprefix("data: ")))
+            if len(received) == 2:
+                break
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in received)
+    assert wait_for_cancellation(server, since) < 60
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
+
+
+def test_a_client_that_times_out_stops_generation(server):
+    since = len(server.log())
+    # 128 choices of 120 tokens with logprobs: seconds of work on a CPU, well over the timeout.
+    body = {"prompt": "Hi", "max_tokens": 120, "n": 128, "logprobs": 20, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/openai/v1/completions", json=body, timeout=0.3)
+    assert wait_for_cancellation(server, since) < 120
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
+
+
+def test_empty_prefix_serves_openai_at_the_root(root_server):
+    url = root_server.url
+    response = httpx.post(
+        f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "text_completion"
+    listing = httpx.get(f"{url}/v1/models", timeout=5).json()
+    assert listing["models"] == ["llama"]
+    assert [model["id"] for model in listing["data"]] == ["llama"]
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=60)
+    assert [model.id for model in sdk.models.list()] == ["llama"]
+    chat = sdk.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=4)
+    assert chat.choices[0].message.role == "assistant"
+    predict = httpx.post(f"{url}/v1/models/llama:predict", json={"instances": ["x"]}, timeout=5)
+    assert predict.status_code == 400 and isinstance(predict.json()["error"], str)
