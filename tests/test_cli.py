@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from huggingfaceserver.backends import vllm_installed
 from huggingfaceserver.cli import ServerConfig, parse_args
 from huggingfaceserver.tasks import Task
 
@@ -323,6 +324,7 @@ def test_main_exits_1_with_one_line_for_a_missing_model_dir():
     assert "/nonexistent/path" in line
 
 
+@pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here (test_choice covers it)")
 def test_main_says_how_to_install_vllm(tiny_models):
     result = run_main("--model_dir", str(tiny_models["bert_fill_mask"]), "--backend", "vllm")
     assert result.returncode == 1

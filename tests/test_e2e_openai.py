@@ -39,7 +39,7 @@ def llama_path(tiny_models: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path, tmp_path_factory):
-    args = ["--model_dir", str(llama_path), "--model_name", "llama"]
+    args = ["--model_dir", str(llama_path), "--model_name", "llama", "--backend", "huggingface"]
     with run_server(args, tmp_path_factory.mktemp("e2e-openai")) as process:
         yield process
 
@@ -51,7 +51,7 @@ def root_server(llama_path: Path, tmp_path_factory):
     ``run_server`` passes this process's environment on, so the variable is set only while
     the subprocess starts.
     """
-    args = ["--model_dir", str(llama_path), "--model_name", "llama"]
+    args = ["--model_dir", str(llama_path), "--model_name", "llama", "--backend", "huggingface"]
     stack = ExitStack()
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PREFIX_ENV, "")

@@ -1,4 +1,4 @@
-"""Nothing on the transformers path imports vLLM (it is an optional extra)."""
+"""Nothing on the transformers path imports vLLM (an optional extra), installed or not."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.server import build_model
 for path in sys.argv[1:]:
-    build_model(parse_args(["--model_dir", path])).load_backend()
+    build_model(parse_args(["--model_dir", path, "--backend", "huggingface"])).load_backend()
 assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm imported"
 print("ok")
 """

@@ -372,13 +372,16 @@ def build_gpt2_lm(out_dir: str | Path) -> Path:
     return _save_model(GPT2LMHeadModel, config, out_dir)
 
 
-def build_llama(out_dir: str | Path) -> Path:
-    """LlamaForCausalLM (2 layers, 2 heads, 2 kv heads) with a byte-level BPE chat tokenizer."""
+def build_llama(out_dir: str | Path, hidden_size: int = 32) -> Path:
+    """LlamaForCausalLM (2 layers, 2 heads, 2 kv heads) with a byte-level BPE chat tokenizer.
+
+    vLLM's CPU attention needs a head size of at least 32: ``hidden_size=64`` or more for it.
+    """
     tokenizer = train_llama_tokenizer(out_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,

@@ -130,7 +130,8 @@ def served(model_dirs: dict[str, Path]) -> Callable[..., BackendModel]:
     def get(name: str, *flags: str) -> BackendModel:
         key = (name, *flags)
         if key not in cache:
-            argv = ["--model_dir", str(model_dirs[name]), "--model_name", name, *flags]
+            argv = ["--model_dir", str(model_dirs[name]), "--model_name", name]
+            argv += ["--backend", "huggingface", *flags]
             cache[key] = load_model(argv)
         return cache[key]
 
