@@ -20,10 +20,13 @@ def configure_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server; returns the process exit status (2 for bad flags, 1 for startup errors)."""
+    from .backends import installed_engine_flag_names
     from .cli import parse_args
     from .errors import StartupError
 
-    config = parse_args(sys.argv[1:] if argv is None else argv)
+    config = parse_args(
+        sys.argv[1:] if argv is None else argv, more_engine_flag_names=installed_engine_flag_names
+    )
     configure_logging()
     from .server import serve
 

@@ -8,7 +8,7 @@ and ``--foo-bar`` spellings are accepted for every flag.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,17 +228,23 @@ def _group_flags(
 
 
 def parse_args(
-    argv: Sequence[str], engine_flag_names: frozenset[str] = KNOWN_VLLM_ENGINE_FLAGS
+    argv: Sequence[str],
+    engine_flag_names: frozenset[str] = KNOWN_VLLM_ENGINE_FLAGS,
+    more_engine_flag_names: Callable[[], frozenset[str]] | None = None,
 ) -> ServerConfig:
     """Parse argv into a :class:`ServerConfig`; exits with status 2 on a flag nobody knows.
 
     ``engine_flag_names`` (dashed, without ``--``) are the vLLM engine flags: they are kept in
-    :attr:`ServerConfig.engine_flags` for the backend to use or report as ignored.
+    :attr:`ServerConfig.engine_flags` for the backend to use or report as ignored. When a flag
+    is in neither, ``more_engine_flag_names`` (the installed vLLM's own list) is asked.
     """
     parser = build_parser()
     namespace, rest = parser.parse_known_args(_normalise_spelling(argv, parser))
     flags, typed, strays = _group_flags(rest)
     unknown = [typed[name] for name in flags if name not in engine_flag_names]
+    if unknown and more_engine_flag_names is not None:
+        more = more_engine_flag_names()
+        unknown = [typed[name] for name in flags if name not in engine_flag_names | more]
     if unknown or strays:
         parser.error("unrecognized arguments: " + " ".join(unknown + strays))
     values = vars(namespace)

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from ._kserve import model_server, sync_kserve_args
 from .backends import choose_backend
-from .backends.base import EncoderBackend
+from .backends.base import EncoderBackend, GenerationBackend
 from .backends.remote import RemoteEncoder
 from .backends.transformers import TransformersEncoder
 from .backends.transformers_generation import TransformersGenerator
@@ -71,17 +71,23 @@ def build_model(config: ServerConfig) -> BackendModel:
     source = load_source(config)
     choice = choose_backend(config.backend, source.task, source.config.architectures or [])
     logger.info("backend %s: %s", choice.name, choice.reason)
-    if choice.name == "vllm":
+    if choice.name == "vllm" and not source.task.is_generative:
         raise StartupError(
-            "the vLLM backend is not available in this version; use --backend huggingface"
+            f"the vLLM backend serves generative models in this version, not {source.task.value}"
         )
-    if config.engine_flags:
+    if config.engine_flags and choice.name != "vllm":
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in config.engine_flags),
         )
     if source.task.is_generative:
-        generator = TransformersGenerator(source, config)
+        generator: GenerationBackend
+        if choice.name == "vllm":
+            from .backends.vllm.generation import VLLMGenerator  # vLLM only when it serves
+
+            generator = VLLMGenerator(source, config)
+        else:
+            generator = TransformersGenerator(source, config)
         template = read_chat_template(config.chat_template)
         return GenerationModel(config.model_name, source.task, generator, template)
     if config.tensor_input_names and not config.server.get("predictor_host"):
@@ -95,25 +101,51 @@ def build_model(config: ServerConfig) -> BackendModel:
     return EncoderModel(config.model_name, source.task, backend, logging_)
 
 
+def adapter_names(model: BackendModel) -> list[str]:
+    """LoRA adapters served as models of their own (vLLM's ``--lora-modules``)."""
+    return list(getattr(model.backend, "adapters", {}))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Our exceptions with their status, and 400 (not 422) for bodies that do not validate."""
     app.add_exception_handler(ServerError, server_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
 
-async def load_in_background(model: BackendModel, failures: list[StartupError]) -> None:
-    """Load the weights off the event loop while the server already answers health probes.
+class Supervisor:
+    """Loads the model in the background, then watches its backend.
 
-    A failure is kept in ``failures`` and shuts the server down the normal way (SIGTERM), so
-    the process ends with our one-line error rather than torn-down servers' tracebacks.
+    A load failure or a dead backend is kept in ``failures`` and shuts the server down the
+    normal way (SIGTERM), so the process exits non-zero with our one-line error, not with the
+    torn-down servers' tracebacks; Kubernetes then restarts it.
     """
-    try:
-        await asyncio.to_thread(model.load_backend)
-    except StartupError as exc:
-        failures.append(exc)
+
+    def __init__(self, model: BackendModel):
+        self.model = model
+        self.failures: list[StartupError] = []
+        self.watcher: asyncio.Task[None] | None = None
+
+    def fail(self, exc: StartupError) -> None:
+        self.model.ready = False
+        self.failures.append(exc)
         signal.raise_signal(signal.SIGTERM)
-        return
-    logger.info("model %s is ready", model.name)
+
+    async def load(self) -> None:
+        """Load off the event loop while the server already answers health probes."""
+        try:
+            await asyncio.to_thread(self.model.load_backend)
+        except StartupError as exc:
+            self.fail(exc)
+            return
+        logger.info("model %s is ready", self.model.name)
+        self.watcher = asyncio.create_task(self.watch())
+
+    async def watch(self) -> None:
+        try:
+            await self.model.backend.watch()
+        except StartupError as exc:
+            logger.error("%s", exc)
+            self.fail(exc)
 
 
 def _model_server(config: ServerConfig) -> ModelServer:
@@ -152,10 +184,12 @@ def serve(config: ServerConfig) -> None:
     sync_kserve_args(config.server)
     server = _model_server(config)
     server.register_model(model)
+    for adapter in adapter_names(model):
+        server.register_model(model, name=adapter)
     install_error_handlers(model_server.app)
     mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
-    failures: list[StartupError] = []
-    server.servers.append(load_in_background(model, failures))
+    supervisor = Supervisor(model)
+    server.servers.append(supervisor.load())
     server.start([])
-    if failures:
-        raise failures[0]
+    if supervisor.failures:
+        raise supervisor.failures[0]

@@ -24,12 +24,20 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def installed_engine_flag_names() -> frozenset[str]:
+    """The installed vLLM's engine flags (none without vLLM)."""
+    if not vllm_installed():
+        return frozenset()
+    from .vllm.compat import engine_flag_names
+
+    return engine_flag_names()
+
+
 def vllm_supports(architectures: Sequence[str]) -> bool:
     """Whether the installed vLLM's model registry knows one of the architectures."""
-    from vllm import ModelRegistry  # only called when vLLM is installed
+    from .vllm.compat import supported_architectures  # only called when vLLM is installed
 
-    supported = set(ModelRegistry.get_supported_archs())
-    return any(a in supported for a in architectures)
+    return any(a in supported_architectures() for a in architectures)
 
 
 def choose_backend(

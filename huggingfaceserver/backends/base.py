@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -43,6 +44,13 @@ class EncoderBackend(ABC):
         results, _ = await self.infer_counted(inputs)
         return results
 
+    async def watch(self) -> None:
+        """Return when the backend can no longer serve; never, for in-process backends."""
+        await asyncio.Event().wait()
+
+    def shutdown(self) -> None:
+        """Release what the backend holds; called on SIGTERM."""
+
 
 class GenerationBackend(ABC):
     """Generates text for token-id prompts; the OpenAI layer cannot tell backends apart.
@@ -63,12 +71,24 @@ class GenerationBackend(ABC):
         """Load tokenizer and weights; afterwards ``tokenizer`` and ``max_model_len`` are set."""
 
     @abstractmethod
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
         """Raise :class:`BadRequest` for what the model cannot do (token ids outside its
-        vocabulary, ...): called before any response is sent, so a stream never starts."""
+        vocabulary, an unknown adapter, ...): called before any response is sent, so a
+        stream never starts with an error the request itself carried."""
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[list[ChoiceDelta]]:
-        """Deltas for the ``params.n`` choices as tokens are produced, until all finished."""
+        """Deltas for the ``params.n`` choices as tokens are produced, until all finished.
+        ``adapter`` names a LoRA adapter served under its own model name."""
+
+    async def watch(self) -> None:
+        """Return when the backend can no longer serve (a dead engine); the server then
+        exits non-zero so that Kubernetes restarts it. Backends that cannot die: never."""
+        await asyncio.Event().wait()
+
+    def shutdown(self) -> None:
+        """Release what the backend holds (engine processes); called once on SIGTERM."""

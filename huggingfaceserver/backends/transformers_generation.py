@@ -266,8 +266,12 @@ class TransformersGenerator(GenerationBackend):
             raise StartupError("the model config sets no decoder_start_token_id")
         return start
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
         """Refuse what the model cannot do (the protocol layer should have caught it)."""
+        if adapter is not None:
+            raise BadRequest("LoRA adapters are served by the vLLM backend only")
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -362,11 +366,11 @@ class TransformersGenerator(GenerationBackend):
             emit(None)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas of the ``params.n`` choices, step by step, from a decode loop in a worker
         thread; closing the iterator (or cancelling its consumer) stops that loop."""
-        self.check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params, adapter)
         rows = self.new_sequences(prompt_ids, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()

@@ -61,6 +61,11 @@ class BackendModel(Model):
         self.backend.load()
         self.ready = True
 
+    def stop(self) -> None:
+        """KServe calls this on shutdown, once per name the model is registered under."""
+        self.ready = False
+        self.backend.shutdown()
+
 
 class GenerationModel(BackendModel):
     """A generative model: served on the OpenAI routes; KServe V1/V2 inference is refused."""

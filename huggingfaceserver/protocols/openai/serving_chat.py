@@ -77,12 +77,13 @@ class Exchange:
 async def create_completion(
     models: ServedModels, request: CompletionRequest, raw: Request
 ) -> Response:
-    model, backend = resolve_generation(models, request.model, "/v1/completions")
+    model, backend, adapter = resolve_generation(models, request.model, "/v1/completions")
     params = request.to_sampling_params()
-    jobs = plan_jobs(backend, completion_prompts(backend.tokenizer, request), params, "prompt")
+    prompts = completion_prompts(backend.tokenizer, request)
+    jobs = plan_jobs(backend, prompts, params, "prompt", adapter)
     exchange = Exchange(
         new_id("cmpl"),
-        model.name,
+        adapter or model.name,
         now(),
         backend,
         jobs,
@@ -106,7 +107,7 @@ async def create_completion(
     completion_tokens = sum(s.tokens for s in states)
     response = completion_response(
         exchange.request_id,
-        model.name,
+        exchange.model,
         choices,
         exchange.prompt_tokens,
         completion_tokens,
@@ -118,13 +119,13 @@ async def create_completion(
 async def create_chat_completion(
     models: ServedModels, request: ChatCompletionRequest, raw: Request
 ) -> Response:
-    model, backend = resolve_generation(models, request.model, "/v1/chat/completions")
+    model, backend, adapter = resolve_generation(models, request.model, "/v1/chat/completions")
     params = request.to_sampling_params()
     prompt = chat_prompt(backend.tokenizer, request, model.chat_template)
-    jobs = plan_jobs(backend, [prompt], params, "messages")
+    jobs = plan_jobs(backend, [prompt], params, "messages", adapter)
     exchange = Exchange(
         new_id("chatcmpl"),
-        model.name,
+        adapter or model.name,
         now(),
         backend,
         jobs,
@@ -143,7 +144,7 @@ async def create_chat_completion(
     completion_tokens = sum(s.tokens for s in states)
     response = chat_response(
         exchange.request_id,
-        model.name,
+        exchange.model,
         choices,
         exchange.prompt_tokens,
         completion_tokens,

@@ -37,6 +37,7 @@ class Job:
     prompt_text: str
     params: SamplingParams
     first_index: int
+    adapter: str | None = None
 
 
 @dataclass
@@ -57,11 +58,13 @@ class ChoiceState:
 
 def resolve_generation(
     models: ServedModels, name: str | None, route: str
-) -> tuple[GenerationModel, GenerationBackend]:
+) -> tuple[GenerationModel, GenerationBackend, str | None]:
+    """The model, its backend, and the LoRA adapter when ``name`` is an adapter's name."""
     model = models.get(name)
     backend = models.backend(model.name, GenerationBackend, route)  # type: ignore[type-abstract]
     assert isinstance(model, GenerationModel)
-    return model, backend
+    adapter = name if name is not None and name != model.name else None
+    return model, backend, adapter
 
 
 def plan_jobs(
@@ -69,6 +72,7 @@ def plan_jobs(
     prompts: list[tuple[list[int], str | None]],
     params: SamplingParams,
     param_name: str,
+    adapter: str | None = None,
 ) -> list[Job]:
     """One job per prompt, with ``max_tokens`` settled against the context length (a 400 with
     OpenAI's wording when prompt plus completion do not fit)."""
@@ -79,10 +83,10 @@ def plan_jobs(
         if len(ids) + wanted > limit or wanted < 1:
             raise context_length_error(limit, len(ids), max(wanted, 1), param=param_name)
         job_params = SamplingParams(**{**vars(params), "max_tokens": wanted})
-        backend.check_request(ids, job_params)
+        backend.check_request(ids, job_params, adapter)
         if text is None:
             text = decode(backend.tokenizer, ids)
-        jobs.append(Job(ids, text, job_params, number * params.n))
+        jobs.append(Job(ids, text, job_params, number * params.n, adapter))
     return jobs
 
 
@@ -141,7 +145,7 @@ async def generate_all(
     queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
-        stream = backend.generate(job.prompt_ids, job.params)
+        stream = backend.generate(job.prompt_ids, job.params, job.adapter)
         try:
             async for deltas in stream:
                 for delta in deltas:

@@ -1,0 +1,1 @@
+"""The vLLM backend (optional extra): engine-level API only."""

@@ -1,0 +1,76 @@
+"""Our flags and the pass-through vLLM flags, as vLLM's ``AsyncEngineArgs``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from vllm import AsyncEngineArgs
+
+from ...cli import ServerConfig
+from ...errors import StartupError
+from ...loading import ModelSource, resolve_dtype
+from .compat import engine_parser, flags_to_argv, translate_speculative_flags
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    name: str
+    path: str
+
+
+def parse_lora_modules(values: list[str]) -> list[LoraModule]:
+    """``--lora-modules name=path ...`` (or vLLM's JSON form ``{"name": ..., "path": ...}``)."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                modules.append(LoraModule(spec["name"], spec["path"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise StartupError(f"--lora-modules {value!r}: {exc}") from None
+            continue
+        name, sep, path = value.partition("=")
+        if not (sep and name and path):
+            raise StartupError(f"--lora-modules takes name=path, not {value!r}")
+        modules.append(LoraModule(name, path))
+    return modules
+
+
+def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
+    """The argv vLLM's parser reads: our settings first, the user's engine flags after them
+    (so an explicit vLLM flag such as ``--dtype`` or ``--tensor-parallel-size`` wins)."""
+    dtype = resolve_dtype(config.dtype, source.task, torch.cuda.is_available())
+    argv = [
+        "--model", str(source.path),
+        "--tokenizer", str(source.tokenizer_path),
+        "--served-model-name", config.model_name,
+        "--dtype", DTYPE_NAMES[dtype],
+    ]  # fmt: skip
+    if config.max_length is not None:
+        argv += ["--max-model-len", str(config.max_length)]
+    if config.trust_remote_code:
+        argv.append("--trust-remote-code")
+    flags = translate_speculative_flags(config.engine_flags)
+    flags.pop("lora-modules", None)
+    return argv + flags_to_argv(flags)
+
+
+def build_engine_args(source: ModelSource, config: ServerConfig) -> AsyncEngineArgs:
+    """Parsed by vLLM's own parser: its defaults, its validation, its error messages (exit 2)."""
+    namespace = engine_parser().parse_args(engine_argv(source, config))
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+def lora_modules(config: ServerConfig) -> list[LoraModule]:
+    modules = parse_lora_modules(config.engine_flags.get("lora-modules", []))
+    if modules and "enable-lora" not in config.engine_flags:
+        raise StartupError("--lora-modules needs --enable-lora")
+    for module in modules:
+        if not Path(module.path).exists():
+            raise StartupError(f"LoRA adapter {module.name}: {module.path} does not exist")
+    return modules

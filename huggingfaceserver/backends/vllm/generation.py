@@ -1,0 +1,182 @@
+"""The vLLM generation backend: our protocol layer on vLLM's async engine.
+
+Prompts arrive as token ids (our layer renders chat templates with the model's tokenizer), so a
+request means the same thing on both backends. Deltas stream from vLLM with
+``RequestOutputKind.DELTA``; a consumer that leaves aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import vllm
+
+from ...cli import ServerConfig
+from ...errors import BadRequest, StartupError
+from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+from ...loading import ModelSource, load_tokenizer
+from ..base import GenerationBackend
+from . import compat
+from .engine_args import LoraModule, build_engine_args, lora_modules
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 5.0
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def to_vllm_params(params: SamplingParams) -> vllm.SamplingParams:
+    """Our backend-neutral parameters, one to one onto vLLM's (same meanings by design).
+
+    vLLM refuses ``n > 1`` with greedy sampling; greedy choices are all the same, so one is
+    generated and repeated (see :meth:`VLLMGenerator.generate`).
+    """
+    try:
+        return _vllm_params(params)
+    except (ValueError, compat.ParamsError) as exc:  # vLLM refuses a value we let through
+        raise BadRequest(str(exc)) from None
+
+
+def _vllm_params(params: SamplingParams) -> vllm.SamplingParams:
+    return vllm.SamplingParams(
+        n=1 if params.greedy else params.n,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        min_p=params.min_p,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        output_kind=compat.DELTA,
+    )
+
+
+def to_logprobs(positions: Any, k: int) -> list[TokenLogprob]:
+    """vLLM's per-token ``{token id: Logprob}`` dicts as ours (the top ``k`` by rank)."""
+    out = []
+    for chosen, position in positions:
+        top = sorted(
+            ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
+            key=lambda item: item[1].rank,
+        )
+        out.append(
+            TokenLogprob(
+                chosen,
+                float(position[chosen].logprob),
+                tuple((tid, float(lp.logprob)) for tid, lp in top),
+            )
+        )
+    return out
+
+
+class VLLMGenerator(GenerationBackend):
+    name = "vllm"
+
+    def __init__(self, source: ModelSource, config: ServerConfig):
+        self.source = source
+        self.config = config
+        self.engine_args = build_engine_args(source, config)
+        self.adapters: dict[str, LoraModule] = {m.name: m for m in lora_modules(config)}
+        self.engine: Any = None
+
+    def load(self) -> None:
+        """Start the engine (its core runs in child processes) and wait until it serves."""
+        self.tokenizer = load_tokenizer(self.source, self.config)
+        logger.info("starting the vLLM %s engine", compat.VERSION)
+        try:
+            self.engine = compat.AsyncEngine.from_engine_args(self.engine_args)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise StartupError(f"the vLLM engine did not start: {exc}") from None
+        self.max_model_len = compat.max_model_len(self.engine)
+        self.is_encoder_decoder = bool(self.source.config.is_encoder_decoder)
+        self.vocab_size = len(self.tokenizer)
+        self.lora_ids = {name: i + 1 for i, name in enumerate(self.adapters)}
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+
+    async def watch(self) -> None:
+        """Return only when the engine has died (so the server can exit and be restarted)."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            if self.engine is None:
+                return
+            try:
+                await self.engine.check_health()
+            except Exception as exc:  # any failure of the health check is a dead engine
+                raise StartupError(f"the vLLM engine died: {exc}") from None
+
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
+        ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
+        outside = sorted(i for i in ids if not 0 <= i < self.vocab_size)
+        if outside:
+            raise BadRequest(
+                f"token ids outside the vocabulary (0-{self.vocab_size - 1}): {outside}"
+            )
+        if adapter is not None and adapter not in self.adapters:
+            raise BadRequest(f"unknown LoRA adapter {adapter!r}")
+        to_vllm_params(params)
+
+    def lora_request(self, adapter: str | None) -> compat.LoRARequest | None:
+        if adapter is None:
+            return None
+        module = self.adapters[adapter]
+        return compat.LoRARequest(module.name, self.lora_ids[adapter], module.path)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[list[ChoiceDelta]]:
+        self.check_request(prompt_ids, params, adapter)
+        request_id = uuid.uuid4().hex
+        stream = self.engine.generate(
+            compat.TokensPrompt(prompt_token_ids=prompt_ids),
+            to_vllm_params(params),
+            request_id,
+            lora_request=self.lora_request(adapter),
+        )
+        copies = params.n if params.greedy else 1
+        finished = False
+        generated = 0
+        try:
+            async for output in stream:
+                deltas = [self._delta(c, params) for c in output.outputs]
+                generated += max((len(d.token_ids) for d in deltas), default=0)
+                yield (
+                    [replace(d, index=i) for d in deltas for i in range(copies)]
+                    if copies > 1
+                    else deltas
+                )
+                finished = output.finished
+        finally:
+            if not finished:  # the consumer left: free the engine's slot at once
+                await self.engine.abort(request_id)
+                logger.info("generation cancelled (client gone) after %d tokens", generated)
+
+    def _delta(self, completion: Any, params: SamplingParams) -> ChoiceDelta:
+        logprobs = None
+        if params.logprobs is not None and completion.logprobs:
+            positions = zip(completion.token_ids, completion.logprobs, strict=True)
+            logprobs = to_logprobs(positions, params.logprobs)
+        reason = FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
+        return ChoiceDelta(
+            completion.index, completion.text, list(completion.token_ids), logprobs, reason
+        )
