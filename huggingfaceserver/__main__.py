@@ -9,6 +9,22 @@ from collections.abc import Sequence
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(message)s"
 
 
+# KServe's handlers for these client-side answers (4xx, 503 while loading) log a full
+# traceback each time: with readiness probes every few seconds that buries the real log.
+QUIET_KSERVE_HANDLERS = frozenset(
+    {
+        "invalid_input_handler",
+        "model_not_found_handler",
+        "model_not_ready_handler",
+        "server_not_ready_handler",
+    }
+)
+
+
+def quiet_client_errors(record: logging.LogRecord) -> bool:
+    return record.funcName not in QUIET_KSERVE_HANDLERS
+
+
 def configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
@@ -16,6 +32,7 @@ def configure_logging() -> None:
     package_logger.handlers[:] = [handler]
     package_logger.setLevel(logging.INFO)
     package_logger.propagate = False
+    logging.getLogger("kserve").addFilter(quiet_client_errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -71,10 +71,6 @@ def build_model(config: ServerConfig) -> BackendModel:
     source = load_source(config)
     choice = choose_backend(config.backend, source.task, source.config.architectures or [])
     logger.info("backend %s: %s", choice.name, choice.reason)
-    if choice.name == "vllm" and not source.task.is_generative:
-        raise StartupError(
-            f"the vLLM backend serves generative models in this version, not {source.task.value}"
-        )
     if config.engine_flags and choice.name != "vllm":
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
@@ -93,7 +89,11 @@ def build_model(config: ServerConfig) -> BackendModel:
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
     backend: EncoderBackend
-    if config.server.get("predictor_host"):
+    if choice.name == "vllm":
+        from .backends.vllm.embedding import VLLMEmbedder  # vLLM only when it serves
+
+        backend = VLLMEmbedder(source, config)
+    elif config.server.get("predictor_host"):
         backend = RemoteEncoder(source, config)
     else:
         backend = TransformersEncoder(source, config)

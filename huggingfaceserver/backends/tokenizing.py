@@ -42,6 +42,17 @@ def resolve_max_length(
     return requested
 
 
+def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> None:
+    """Token id inputs (used as they are) must be non-empty, fit, and be in the vocabulary."""
+    for index, ids in enumerate(inputs):
+        if not ids:
+            raise BadRequest(f"input {index} has no tokens")
+        if len(ids) > max_length:
+            raise BadRequest(f"input {index} has {len(ids)} tokens; the maximum is {max_length}")
+        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise BadRequest(f"input {index} has token ids outside the vocabulary (0..{vocab - 1})")
+
+
 class TokenizingEncoder(EncoderBackend):
     """Loads the tokenizer and the task; turns texts into a checked, padded batch."""
 
@@ -93,18 +104,7 @@ class TokenizingEncoder(EncoderBackend):
 
     def prepare_ids(self, inputs: list[list[int]]) -> BatchEncoding:
         """Token id inputs, used as they are (no special tokens added), checked and padded."""
-        vocab = len(self.tokenizer)
-        for index, ids in enumerate(inputs):
-            if not ids:
-                raise BadRequest(f"input {index} has no tokens")
-            if len(ids) > self.max_length:
-                raise BadRequest(
-                    f"input {index} has {len(ids)} tokens; the maximum is {self.max_length}"
-                )
-            if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-                raise BadRequest(
-                    f"input {index} has token ids outside the vocabulary (0..{vocab - 1})"
-                )
+        check_token_inputs(inputs, len(self.tokenizer), self.max_length)
         batch = self.tokenizer.pad({"input_ids": inputs}, padding=True, return_tensors="pt")
         self.task.check_encoding(batch)
         return batch

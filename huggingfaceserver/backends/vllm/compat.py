@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 import vllm
-from vllm import AsyncEngineArgs, ModelRegistry
+from vllm import AsyncEngineArgs, ModelRegistry, PoolingParams
 from vllm.sampling_params import RequestOutputKind
 
 try:  # vLLM >= 0.11
@@ -52,10 +52,12 @@ __all__ = [
     "LoRARequest",
     "ParamsError",
     "TokensPrompt",
+    "embed_params",
     "engine_flag_names",
     "engine_parser",
     "flags_to_argv",
     "max_model_len",
+    "pooling_runner_flags",
     "supported_architectures",
     "translate_speculative_flags",
 ]
@@ -103,6 +105,20 @@ def translate_speculative_flags(flags: dict[str, list[str]]) -> dict[str, list[s
         config.setdefault("num_speculative_tokens", int(tokens[0]))
     flags["speculative-config"] = [json.dumps(config)]
     return flags
+
+
+def pooling_runner_flags() -> list[str]:
+    """Engine flags that make vLLM run a model as an embedding (pooling) model."""
+    options = {o for a in engine_parser()._actions for o in a.option_strings}  # noqa: SLF001
+    return ["--runner", "pooling"] if "--runner" in options else ["--task", "embed"]
+
+
+def embed_params() -> PoolingParams:
+    """Pooling parameters for sentence embeddings (the model's own pooling and normalisation)."""
+    try:
+        return PoolingParams(task="embed")
+    except TypeError:  # releases whose PoolingParams take no task
+        return PoolingParams()
 
 
 def max_model_len(engine: Any) -> int:

@@ -12,7 +12,12 @@ from vllm import AsyncEngineArgs
 from ...cli import ServerConfig
 from ...errors import StartupError
 from ...loading import ModelSource, resolve_dtype
-from .compat import engine_parser, flags_to_argv, translate_speculative_flags
+from .compat import (
+    engine_parser,
+    flags_to_argv,
+    pooling_runner_flags,
+    translate_speculative_flags,
+)
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -55,6 +60,8 @@ def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
         argv += ["--max-model-len", str(config.max_length)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
+    if not source.task.is_generative:
+        argv += pooling_runner_flags()
     flags = translate_speculative_flags(config.engine_flags)
     flags.pop("lora-modules", None)
     return argv + flags_to_argv(flags)

@@ -7,7 +7,6 @@ request means the same thing on both backends. Deltas stream from vLLM with
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -17,16 +16,16 @@ from typing import Any
 import vllm
 
 from ...cli import ServerConfig
-from ...errors import BadRequest, StartupError
+from ...errors import BadRequest
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
 from ...loading import ModelSource, load_tokenizer
 from ..base import GenerationBackend
 from . import compat
+from .engine import EngineHolder
 from .engine_args import LoraModule, build_engine_args, lora_modules
 
 logger = logging.getLogger(__name__)
 
-HEALTH_INTERVAL_S = 5.0
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
@@ -84,7 +83,7 @@ def to_logprobs(positions: Any, k: int) -> list[TokenLogprob]:
     return out
 
 
-class VLLMGenerator(GenerationBackend):
+class VLLMGenerator(EngineHolder, GenerationBackend):
     name = "vllm"
 
     def __init__(self, source: ModelSource, config: ServerConfig):
@@ -92,36 +91,15 @@ class VLLMGenerator(GenerationBackend):
         self.config = config
         self.engine_args = build_engine_args(source, config)
         self.adapters: dict[str, LoraModule] = {m.name: m for m in lora_modules(config)}
-        self.engine: Any = None
 
     def load(self) -> None:
-        """Start the engine (its core runs in child processes) and wait until it serves."""
+        """Start the engine and wait until it serves."""
         self.tokenizer = load_tokenizer(self.source, self.config)
-        logger.info("starting the vLLM %s engine", compat.VERSION)
-        try:
-            self.engine = compat.AsyncEngine.from_engine_args(self.engine_args)
-        except (RuntimeError, ValueError, OSError) as exc:
-            raise StartupError(f"the vLLM engine did not start: {exc}") from None
+        self.start_engine()
         self.max_model_len = compat.max_model_len(self.engine)
         self.is_encoder_decoder = bool(self.source.config.is_encoder_decoder)
         self.vocab_size = len(self.tokenizer)
         self.lora_ids = {name: i + 1 for i, name in enumerate(self.adapters)}
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.shutdown()
-
-    async def watch(self) -> None:
-        """Return only when the engine has died (so the server can exit and be restarted)."""
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-            if self.engine is None:
-                return
-            try:
-                await self.engine.check_health()
-            except Exception as exc:  # any failure of the health check is a dead engine
-                raise StartupError(f"the vLLM engine died: {exc}") from None
 
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
