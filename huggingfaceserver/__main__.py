@@ -35,6 +35,17 @@ def configure_logging() -> None:
     logging.getLogger("kserve").addFilter(quiet_client_errors)
 
 
+def stop_resource_tracker() -> None:
+    """A dead vLLM engine leaves shared memory behind, and Python's resource tracker warns about
+    it when the process exits, after our error line. Stop it first: our line stays the last."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    stop = getattr(tracker, "_stop", None)  # private: checked, and harmless if it is gone
+    if callable(stop):
+        stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server; returns the process exit status (2 for bad flags, 1 for startup errors)."""
     from .backends import installed_engine_flag_names
@@ -50,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serve(config)
     except StartupError as exc:
+        stop_resource_tracker()
         print(f"huggingfaceserver: error: {exc}", file=sys.stderr)
         return 1
     return 0

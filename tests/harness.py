@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +91,19 @@ def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:
 
 
 @contextmanager
-def run_server(args: Sequence[str], log_dir: Path, ready: bool = True) -> Iterator[ServerProcess]:
-    """``python -m huggingfaceserver ARGS`` as a user starts it, on free ports."""
+def run_server(
+    args: Sequence[str],
+    log_dir: Path,
+    ready: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """``python -m huggingfaceserver ARGS`` as a user starts it, on free ports.
+
+    ``env`` adds to (or overrides) this process's environment for the server.
+    """
     http_port, grpc_port = free_port(), free_port()
     log_path = log_dir / f"server-{http_port}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    server_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [
@@ -110,7 +118,7 @@ def run_server(args: Sequence[str], log_dir: Path, ready: bool = True) -> Iterat
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=server_env,
             cwd=REPO,
         )
     server = ServerProcess(process, http_port, grpc_port, log_path)

@@ -421,6 +421,7 @@ BUILDERS = {
     "st_lasttoken": partial(build_sentence_transformers, pooling="lasttoken"),
     "gpt2": build_gpt2_lm,
     "llama": build_llama,
+    "llama64": partial(build_llama, hidden_size=64),  # head size 32: what vLLM's CPU build needs
     "t5": build_t5,
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,11 +14,18 @@ from ...cli import ServerConfig
 from ...errors import StartupError
 from ...loading import ModelSource, resolve_dtype
 from .compat import (
+    VERSION,
+    engine_flag_names,
     engine_parser,
     flags_to_argv,
     pooling_runner_flags,
     translate_speculative_flags,
 )
+
+logger = logging.getLogger(__name__)
+
+# vLLM flags that would replace what we tell the engine (and leave our tokenizer behind).
+RESERVED_FLAGS = frozenset({"model", "tokenizer", "served-model-name"})
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -64,7 +72,17 @@ def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
         argv += pooling_runner_flags()
     flags = translate_speculative_flags(config.engine_flags)
     flags.pop("lora-modules", None)
-    return argv + flags_to_argv(flags)
+    reserved = sorted(f"--{name}" for name in flags if name in RESERVED_FLAGS)
+    if reserved:
+        raise StartupError(
+            f"{' '.join(reserved)}: the model comes from --model_id / --model_dir and its name "
+            "from --model_name"
+        )
+    known = engine_flag_names()
+    ignored = sorted(f"--{name}" for name in flags if name not in known)
+    if ignored:
+        logger.warning("not engine flags of vLLM %s, ignored: %s", VERSION, " ".join(ignored))
+    return argv + flags_to_argv({k: v for k, v in flags.items() if k in known})
 
 
 def build_engine_args(source: ModelSource, config: ServerConfig) -> AsyncEngineArgs:

@@ -132,11 +132,12 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
             lora_request=self.lora_request(adapter),
         )
         copies = params.n if params.greedy else 1
+        seen: dict[int, ChoiceDelta] = {}  # each choice so far: all its text and token ids
         finished = False
         generated = 0
         try:
             async for output in stream:
-                deltas = [self._delta(c, params) for c in output.outputs]
+                deltas = [self._delta(c, params, seen) for c in output.outputs]
                 generated += max((len(d.token_ids) for d in deltas), default=0)
                 yield (
                     [replace(d, index=i) for d in deltas for i in range(copies)]
@@ -149,12 +150,32 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
                 await self.engine.abort(request_id)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
 
-    def _delta(self, completion: Any, params: SamplingParams) -> ChoiceDelta:
+    def _delta(
+        self, completion: Any, params: SamplingParams, seen: dict[int, ChoiceDelta]
+    ) -> ChoiceDelta:
         logprobs = None
         if params.logprobs is not None and completion.logprobs:
             positions = zip(completion.token_ids, completion.logprobs, strict=True)
             logprobs = to_logprobs(positions, params.logprobs)
         reason = FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
-        return ChoiceDelta(
+        delta = ChoiceDelta(
             completion.index, completion.text, list(completion.token_ids), logprobs, reason
         )
+        so_far = seen.setdefault(delta.index, ChoiceDelta(delta.index, "", []))
+        so_far.text += delta.text
+        so_far.token_ids += delta.token_ids
+        if reason is not None and not isinstance(completion.stop_reason, str):
+            delta.text += self._held_back(so_far, params)
+        return delta
+
+    def _held_back(self, choice: ChoiceDelta, params: SamplingParams) -> str:
+        """What vLLM keeps back at the end of a text that stops inside a multi-byte character
+        (the replacement characters the transformers backend emits too): same text on both."""
+        full = self.tokenizer.decode(
+            choice.token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        if isinstance(full, str) and full.startswith(choice.text):
+            return full[len(choice.text) :]
+        return ""

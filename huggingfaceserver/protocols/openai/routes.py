@@ -99,9 +99,9 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.get("/v1/models/{model_id}")
     async def model_card(model_id: str) -> Response:
         model = models.get(model_id)
-        card = models.card(model.name)
+        card = models.card(model_id)
         if kserve_compatible:
-            card.update(name=model.name, ready=model.ready)
+            card.update(name=model_id, ready=model.ready)
         return JSONResponse(card)
 
     return router

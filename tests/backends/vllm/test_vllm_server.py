@@ -1,0 +1,385 @@
+"""One vLLM server on the tiny Llama (hidden size 64), started as a user starts it: readiness
+while the engine starts, greedy text and logprobs equal to the transformers backend's (the same
+protocol layer, loaded in-process), streaming, ``n``, stop strings, errors in the OpenAI shape,
+and generation that stops when the client goes away."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from huggingfaceserver.protocols.kserve_model import BackendModel
+from tests.backends.vllm import VLLM_FLAGS, status, vllm_env, wait_until
+from tests.harness import ServerProcess, client_for, load_model, run_server
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = ["Hello world", "The capital of France is", "A man is eating"]
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+BRIEF = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]
+CANCELLED = re.compile(r"generation cancelled \(client gone\) after (\d+) tokens")
+GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama64"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Statuses seen at one moment of the start: liveness, readiness, the V1 model card."""
+
+    live: int | None
+    ready: int | None
+    card: int | None
+
+
+def watch_startup(server: ServerProcess, timeout: float = 180.0) -> list[Probe]:
+    """Probe the health routes until the model is ready; every probe, in order."""
+    probes: list[Probe] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        probe = Probe(
+            status(server.url + "/v2/health/live"),
+            status(server.url + "/v2/health/ready"),
+            status(server.url + "/v1/models/llm"),
+        )
+        probes.append(probe)
+        if probe.ready == probe.card == 200:
+            return probes
+        time.sleep(0.1)
+    raise TimeoutError(f"not ready after {timeout}s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def started(llama_path: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list[Probe]]]:
+    """The server (auto backend: vLLM) and what its health routes said while it started."""
+    root = tmp_path_factory.mktemp("vllm-server")
+    args = ["--model_dir", str(llama_path), "--model_name", "llm", *VLLM_FLAGS]
+    with run_server(args, root, ready=False, env=vllm_env(root)) as server:
+        yield server, watch_startup(server)
+
+
+@pytest.fixture(scope="module")
+def server(started) -> ServerProcess:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/openai/v1", api_key="x", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path: Path) -> BackendModel:
+    """The same model on the transformers backend, in-process: the oracle."""
+    return load_model(
+        ["--model_dir", str(llama_path), "--model_name", "llm", "--backend", "huggingface"]
+    )
+
+
+def post(server: ServerProcess, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{server.url}/openai/v1/{route}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def post_reference(model: BackendModel, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with client_for(model) as client:
+        response = await client.post(f"/openai/v1/{route}", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def sse_events(server: ServerProcess, route: str, body: dict[str, Any]) -> list[str]:
+    """The ``data:`` payloads of a streamed response, ``[DONE]`` included."""
+    with httpx.stream("POST", f"{server.url}/openai/v1/{route}", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = list(response.iter_lines())
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+# --- startup --------------------------------------------------------------------------------
+
+
+def test_the_auto_backend_is_vllm(server):
+    assert "backend vllm: vLLM supports LlamaForCausalLM" in server.log()
+
+
+def test_readiness_waits_for_the_engine(started):
+    _, probes = started
+    answered = [p for p in probes if p.live is not None]
+    assert answered, "the server never answered while the engine started"
+    assert all(p.live == 200 for p in answered)
+    loading = [p for p in answered if p.ready == 503 and p.card == 503]
+    assert loading, f"never seen loading: {probes}"
+    first_ready = next(i for i, p in enumerate(probes) if p.ready == 200)
+    assert probes.index(loading[0]) < first_ready
+    assert all(p.ready == 200 for p in probes[first_ready:])
+    assert probes[-1] == Probe(200, 200, 200)
+
+
+# --- the transformers backend as the oracle -------------------------------------------------
+
+
+async def test_greedy_completions_equal_the_transformers_backends(server, reference):
+    body = {"model": "llm", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+    got = post(server, "completions", body)
+    expected = await post_reference(reference, "completions", body)
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
+    assert [c["finish_reason"] for c in got["choices"]] == [
+        c["finish_reason"] for c in expected["choices"]
+    ]
+    assert got["usage"] == expected["usage"]
+
+
+async def test_greedy_chat_equals_the_transformers_backends(server, reference):
+    body = {"model": "llm", "messages": BRIEF, "max_tokens": 12, "temperature": 0}
+    got = post(server, "chat/completions", body)
+    expected = await post_reference(reference, "chat/completions", body)
+    assert got["choices"][0]["message"] == expected["choices"][0]["message"]
+    assert got["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"]
+    assert got["usage"] == expected["usage"]
+
+
+async def test_a_text_ending_in_an_incomplete_character_equals_the_transformers_backends(
+    server, reference
+):
+    # Greedy "Hello world" chat on this model ends, at max_tokens, with bytes of an unfinished
+    # UTF-8 character: the same tokens on both backends (see the logprobs test).
+    body = {"model": "llm", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    got = post(server, "chat/completions", body)
+    expected = await post_reference(reference, "chat/completions", body)
+    assert expected["choices"][0]["message"]["content"].endswith("\ufffd")
+    assert got["usage"] == expected["usage"]
+    assert got["choices"][0]["message"] == expected["choices"][0]["message"]
+
+
+async def test_completion_logprobs_equal_the_transformers_backends(server, reference):
+    body = {"model": "llm", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    got = post(server, "completions", body)
+    expected = await post_reference(reference, "completions", body)
+    for choice, oracle in zip(got["choices"], expected["choices"], strict=True):
+        ours, theirs = choice["logprobs"], oracle["logprobs"]
+        assert ours["tokens"] == theirs["tokens"]
+        assert ours["text_offset"] == theirs["text_offset"]
+        assert ours["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-3)
+        for top, top_oracle in zip(ours["top_logprobs"], theirs["top_logprobs"], strict=True):
+            assert top.keys() == top_oracle.keys()
+            assert top == pytest.approx(top_oracle, abs=1e-3)
+
+
+async def test_chat_logprobs_equal_the_transformers_backends(server, reference):
+    body = {
+        "model": "llm",
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    got = post(server, "chat/completions", body)["choices"][0]["logprobs"]["content"]
+    expected = (await post_reference(reference, "chat/completions", body))["choices"][0]
+    expected = expected["logprobs"]["content"]
+    assert [t["bytes"] for t in got] == [t["bytes"] for t in expected]
+    assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in expected], abs=1e-3)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert [t["bytes"] for t in ours["top_logprobs"]] == [
+            t["bytes"] for t in theirs["top_logprobs"]
+        ]
+        assert [t["logprob"] for t in ours["top_logprobs"]] == pytest.approx(
+            [t["logprob"] for t in theirs["top_logprobs"]], abs=1e-3
+        )
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+def test_streamed_completions_add_up_to_the_whole_answer(server):
+    body = {"model": "llm", "prompt": PROMPTS[:2], "max_tokens": 16, "temperature": 0}
+    whole = post(server, "completions", body)
+    events = sse_events(
+        server, "completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *deltas, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in deltas if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(d["text"] for d in mine) == choice["text"]
+        assert [d["finish_reason"] for d in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
+    assert all(c["object"] == "text_completion" and c["model"] == "llm" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_streamed_chat_adds_up_to_the_whole_answer(client):
+    request = {"model": "llm", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    whole = client.chat.completions.create(**request)
+    chunks = list(
+        client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    *deltas, last = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in deltas[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == (
+        whole.choices[0].message.content
+    )
+    assert [c.choices[0].finish_reason for c in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.choices == [] and last.usage == whole.usage
+
+
+# --- n, seeds -------------------------------------------------------------------------------
+
+
+def test_greedy_n_gives_identical_choices(client):
+    response = client.completions.create(
+        model="llm", prompt=PROMPTS[0], max_tokens=10, temperature=0, n=3
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert len({c.text for c in response.choices}) == 1
+    assert response.usage is not None and response.usage.completion_tokens == 30
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample() -> list[str]:
+        response = client.completions.create(
+            model="llm", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=2, seed=1234
+        )
+        assert [c.index for c in response.choices] == [0, 1]
+        return [c.text for c in response.choices]
+
+    assert sample() == sample()
+
+
+# --- stop, length, usage --------------------------------------------------------------------
+
+
+def stop_string_in(text: str) -> tuple[str, int]:
+    """A two-letter stop string from inside ``text`` and where it first occurs."""
+    for start in range(1, len(text) - 1):
+        candidate = text[start : start + 2]
+        if candidate.isascii() and candidate.isalnum() and text.find(candidate) == start:
+            return candidate, start
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_a_stop_string_cuts_the_text(client):
+    request = {"model": "llm", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(**request)
+    stop, at = stop_string_in(whole.choices[0].text)
+    cut = client.completions.create(**request, stop=[stop])
+    assert cut.choices[0].text == whole.choices[0].text[:at]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage is not None and cut.usage.completion_tokens < 12
+
+
+def test_max_tokens_is_length_and_usage_counts_tokens(client, reference):
+    response = client.completions.create(
+        model="llm", prompt=PROMPTS[1], max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].finish_reason == "length"
+    prompt_tokens = len(reference.backend.tokenizer(PROMPTS[1])["input_ids"])
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 7
+    assert response.usage.total_tokens == prompt_tokens + 7
+
+
+# --- errors in the OpenAI shape -------------------------------------------------------------
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert {"message", "type", "param", "code"} <= error.keys()
+    return error
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_prompt_plus_max_tokens_over_the_context_is_400(server, route):
+    body: dict[str, Any] = {"model": "llm", "max_tokens": 125}
+    body.update({"prompt": PROMPTS[0]} if route == "completions" else {"messages": MESSAGES})
+    error = error_of(httpx.post(f"{server.url}/openai/v1/{route}", json=body, timeout=30))
+    assert error["message"].startswith("This model's maximum context length is 128 tokens.")
+    assert "in the completion" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_outside_the_vocabulary_is_400(server, stream):
+    body = {
+        "model": "llm",
+        "prompt": PROMPTS[0],
+        "max_tokens": 4,
+        "logit_bias": {"100000": 5},
+        "stream": stream,
+    }
+    error = error_of(httpx.post(f"{server.url}/openai/v1/completions", json=body, timeout=30))
+    assert "100000" in error["message"]
+
+
+# --- a client that leaves -------------------------------------------------------------------
+
+
+def generated_tokens(server: ServerProcess) -> float:
+    """vLLM's count of generated tokens, from the server's /metrics."""
+    match = GENERATED.search(httpx.get(f"{server.url}/metrics", timeout=5).text)
+    assert match, "vllm:generation_tokens_total is not on /metrics"
+    return float(match.group(1))
+
+
+def test_a_client_that_leaves_a_stream_aborts_the_engine_request(server, client):
+    since = len(server.log())
+    before = generated_tokens(server)
+    body = {"model": "llm", "prompt": "Hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    received = []
+    with httpx.stream("POST", f"{server.url}/openai/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                received.append(json.loads(line.removeprefix("data: ")))
+            if len(received) == 2:
+                break
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in received)
+
+    def cancelled() -> re.Match[str] | None:
+        return CANCELLED.search(server.log()[since:])
+
+    assert wait_until(lambda: cancelled() is not None, timeout=15), server.log()[since:]
+    assert int(cancelled().group(1)) < 100  # type: ignore[union-attr]
+
+    # The engine stops too: its token count settles well short of the 100 asked for.
+    counts = [generated_tokens(server)]
+
+    def settled() -> bool:
+        counts.append(generated_tokens(server))
+        return counts[-1] == counts[-2]
+
+    assert wait_until(settled, timeout=10, interval=0.3), counts
+    assert counts[-1] - before < 100
+    started = time.monotonic()
+    response = client.completions.create(model="llm", prompt="Hi", max_tokens=4)
+    assert response.choices[0].text is not None
+    assert time.monotonic() - started < 10
+    assert status(f"{server.url}/v2/health/ready") == 200
