@@ -25,6 +25,7 @@ from transformers import (
 
 from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
 from tests.harness import ServerProcess, run_server
+from tests.openai_checks import check_streamed_chat_adds_up
 
 pytestmark = pytest.mark.slow
 
@@ -129,22 +130,7 @@ def test_chat(client, reference):
 
 
 def test_streaming_chat_equals_the_non_streamed_answer(client):
-    request = {"model": "llama", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
-    whole = client.chat.completions.create(**request)
-    chunks = list(
-        client.chat.completions.create(
-            **request, stream=True, stream_options={"include_usage": True}
-        )
-    )
-    *deltas, last = chunks
-    assert deltas[0].choices[0].delta.role == "assistant"
-    assert all(c.choices[0].delta.role is None for c in deltas[1:])
-    assert "".join(c.choices[0].delta.content or "" for c in deltas) == (
-        whole.choices[0].message.content
-    )
-    assert [c.choices[0].finish_reason for c in deltas[:-1]] == [None] * (len(deltas) - 1)
-    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert last.choices == [] and last.usage == whole.usage
+    check_streamed_chat_adds_up(client, "llama", MESSAGES)
 
 
 def test_embeddings_are_not_served_by_a_generative_model(client):

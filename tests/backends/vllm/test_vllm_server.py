@@ -20,6 +20,7 @@ import pytest
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from tests.backends.vllm import VLLM_FLAGS, status, vllm_env, wait_until
 from tests.harness import ServerProcess, client_for, load_model, run_server
+from tests.openai_checks import check_streamed_chat_adds_up
 
 pytest.importorskip("vllm")
 
@@ -231,22 +232,7 @@ def test_streamed_completions_add_up_to_the_whole_answer(server):
 
 
 def test_streamed_chat_adds_up_to_the_whole_answer(client):
-    request = {"model": "llm", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
-    whole = client.chat.completions.create(**request)
-    chunks = list(
-        client.chat.completions.create(
-            **request, stream=True, stream_options={"include_usage": True}
-        )
-    )
-    *deltas, last = chunks
-    assert deltas[0].choices[0].delta.role == "assistant"
-    assert all(c.choices[0].delta.role is None for c in deltas[1:])
-    assert "".join(c.choices[0].delta.content or "" for c in deltas) == (
-        whole.choices[0].message.content
-    )
-    assert [c.choices[0].finish_reason for c in deltas[:-1]] == [None] * (len(deltas) - 1)
-    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert last.choices == [] and last.usage == whole.usage
+    check_streamed_chat_adds_up(client, "llm", MESSAGES)
 
 
 # --- n, seeds -------------------------------------------------------------------------------
