@@ -84,6 +84,12 @@ class ServerConfig:
     """Token classification: add character offsets."""
     return_labels: bool = False
     """Classification: the model's id2label names instead of class indices."""
+    max_batch_tokens: int = 16384
+    """Encoder tasks: padded tokens per forward pass."""
+    max_batch_size: int = 32
+    """Encoder tasks: sequences per forward pass (1 turns batching off)."""
+    batch_wait_ms: float = 2.0
+    """Encoder tasks: how long a request waits for others to share its forward pass."""
     chat_template: str | None = None
     """A chat template (Jinja text, or the path of a file holding one) for chat requests."""
     disable_log_requests: bool = False
@@ -180,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag("return_offsets_mapping", "token classification: add character offsets")
     add_flag("return_labels", "classification: id2label names instead of class indices")
+    add("max_batch_tokens", type=int, default=16384, help="encoders: padded tokens per forward")
+    add("max_batch_size", type=int, default=32, help="encoders: sequences per forward (1: off)")
+    add("batch_wait_ms", type=float, default=2.0, help="encoders: wait to fill a batch (ms)")
     add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")
     add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
@@ -255,4 +264,9 @@ def parse_args(
         )
     if own["max_length"] is not None and own["max_length"] <= 0:
         parser.error("--max_length must be a positive integer")
+    for name in ("max_batch_tokens", "max_batch_size"):
+        if own[name] <= 0:
+            parser.error(f"--{name} must be a positive integer")
+    if own["batch_wait_ms"] < 0:
+        parser.error("--batch_wait_ms must not be negative")
     return ServerConfig(**own, server=values, engine_flags=flags)

@@ -39,6 +39,9 @@ CONTRACT_DEFAULTS = {
     "disable_log_requests": False,
     "max_log_len": None,
     "chat_template": None,
+    "max_batch_tokens": 16384,
+    "max_batch_size": 32,
+    "batch_wait_ms": 2.0,
 }
 
 KSERVE_DEFAULTS = {
@@ -73,6 +76,9 @@ OWN_FLAGS = {
     "disable_log_requests": (None, True),
     "max_log_len": ("100", 100),
     "chat_template": ("{{ messages }}", "{{ messages }}"),
+    "max_batch_tokens": ("4096", 4096),
+    "max_batch_size": ("8", 8),
+    "batch_wait_ms": ("5", 5.0),
 }
 
 
@@ -333,3 +339,14 @@ def test_main_says_how_to_install_vllm(tiny_models):
     assert line.startswith("huggingfaceserver: error: ")
     assert "vLLM is not installed" in line
     assert "pip install" in line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--max_batch_size", "0"], ["--max_batch_tokens", "-1"], ["--batch_wait_ms", "-2"]],
+)
+def test_batching_limits_must_be_sensible(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_dir", "/models/bert", *argv])
+    assert exit_info.value.code == 2
+    assert argv[0] in capsys.readouterr().err

@@ -17,6 +17,7 @@ from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
 from ..tasks import Task
 from .base import EncoderBackend, EncoderInputs
+from .batching import BatchLimits, EncoderBatcher, split_rows
 
 # tokenizer.model_max_length is this large when the tokenizer sets no limit
 UNSET_MAX_LENGTH = 1_000_000
@@ -76,6 +77,16 @@ class TokenizingEncoder(EncoderBackend):
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
         self.max_length = resolve_max_length(self.config.max_length, tokenizer, self.source.config)
         self.load_model()
+        pad_values = {
+            "input_ids": tokenizer.pad_token_id,
+            "token_type_ids": tokenizer.pad_token_type_id,
+        }
+        limits = BatchLimits(
+            self.config.max_batch_tokens,
+            self.config.max_batch_size,
+            self.config.batch_wait_ms / 1000,
+        )
+        self.batcher = EncoderBatcher(self.run_rows, pad_values, limits)
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
@@ -85,10 +96,15 @@ class TokenizingEncoder(EncoderBackend):
         """The model's raw output for a batch: logits, or the last hidden state."""
 
     async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
+        """Checked and tokenized alone, then run in batches shared with other requests."""
         batch = await asyncio.to_thread(self.prepare_inputs, inputs)
-        raw = await self.run(batch)
-        results = await asyncio.to_thread(self.task.results, raw, batch)
+        results = await self.batcher.submit(split_rows(batch))
         return results, lengths(batch)
+
+    async def run_rows(self, batch: BatchEncoding) -> list[Any]:
+        """One merged batch through the model: a result per row."""
+        raw = await self.run(batch)
+        return await asyncio.to_thread(self.task.results, raw, batch)
 
     async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:

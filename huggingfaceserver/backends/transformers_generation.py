@@ -203,7 +203,7 @@ class Seq2SeqBatch(DecodeBatch):
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         output = self.model(
-            encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
+            encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
             decoder_input_ids=self._ids([[token] for token in tokens]),
             past_key_values=self.cache,
             use_cache=True,

@@ -1,0 +1,150 @@
+"""Dynamic batching of encoder requests: merged forwards, identical results, isolated failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from huggingfaceserver.backends.batching import (
+    BatchLimits,
+    Request,
+    collate,
+    plan_batches,
+    split_rows,
+)
+from tests.harness import build_app, client_for, load_model
+
+TEXTS = [
+    "john lives in new york",
+    "the capital of france is paris .",
+    "food",
+    "a man is eating food and bread in paris with john",
+    "new york",
+    "the man lives in france",
+] * 3
+
+
+def rows_of(lengths: list[int]) -> list[tuple[Request, int]]:
+    rows = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in lengths]
+    request = Request(rows, asyncio.Future(loop=asyncio.new_event_loop()))
+    return [(request, i) for i in range(len(rows))]
+
+
+def test_plan_batches_sorts_by_length_and_keeps_the_limits():
+    pending = rows_of([5, 30, 2, 7, 29, 3, 31])
+    batches = plan_batches(pending, BatchLimits(max_batch_tokens=64, max_batch_size=3))
+    lengths = [[len(r.rows[i]["input_ids"]) for r, i in batch] for batch in batches]
+    assert [n for batch in lengths for n in batch] == sorted([5, 30, 2, 7, 29, 3, 31])
+    assert all(len(batch) <= 3 and len(batch) * max(batch) <= 64 for batch in lengths)
+    assert sorted(i for batch in batches for _, i in batch) == list(range(7))
+
+
+def test_a_row_longer_than_the_token_budget_still_runs_alone():
+    batches = plan_batches(rows_of([100, 4]), BatchLimits(max_batch_tokens=64, max_batch_size=8))
+    assert [len(batch) for batch in batches] == [1, 1]
+
+
+def test_split_then_collate_gives_back_the_padded_batch(tiny_models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_token_classification"])
+    batch = tokenizer(TEXTS[:4], padding=True, return_offsets_mapping=True, return_tensors="pt")
+    again = collate(split_rows(batch), {"input_ids": tokenizer.pad_token_id})
+    assert set(again) == set(batch)
+    for key in batch:
+        assert torch.equal(again[key], batch[key]), key
+
+
+def forward_shapes(model) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    model.backend.model.register_forward_hook(
+        lambda module, args, kwargs, output: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    return shapes
+
+
+async def predict_each(model, texts, **extra):
+    async with client_for(model) as client:
+        responses = await asyncio.gather(
+            *(
+                client.post(f"/v1/models/{model.name}:predict", json={"instances": [t]})
+                for t in texts
+            ),
+            **extra,
+        )
+    return responses
+
+
+@pytest.mark.parametrize("name", ["bert_token_classification", "st_cls"])
+async def test_concurrent_requests_equal_one_at_a_time(tiny_models, name):
+    path = str(tiny_models[name])
+    batched = load_model(["--model_dir", path, "--return_raw_logits", "--batch_wait_ms", "20"])
+    alone = load_model(["--model_dir", path, "--return_raw_logits", "--max_batch_size", "1"])
+    shapes = forward_shapes(batched)
+    got = await predict_each(batched, TEXTS)
+    want = await predict_each(alone, TEXTS)
+    assert len(shapes) < len(TEXTS), "requests that arrive together share forward passes"
+    for g, w in zip(got, want, strict=True):
+        assert g.status_code == w.status_code == 200
+        assert torch.allclose(as_tensor(g.json()), as_tensor(w.json()), atol=1e-5)
+
+
+def as_tensor(body) -> torch.Tensor:
+    prediction = body["predictions"][0]
+    if isinstance(prediction, list) and prediction and isinstance(prediction[0], dict):
+        return torch.tensor([list(d.values()) for d in prediction])
+    return torch.tensor(prediction)
+
+
+async def test_max_batch_size_1_turns_batching_off(tiny_models):
+    model = load_model(["--model_dir", str(tiny_models["st_cls"]), "--max_batch_size", "1"])
+    shapes = forward_shapes(model)
+    responses = await predict_each(model, TEXTS[:8])
+    assert all(r.status_code == 200 for r in responses)
+    assert len(shapes) == 8 and all(rows == 1 for rows, _ in shapes)
+
+
+async def test_forwards_stay_within_the_token_budget(tiny_models):
+    model = load_model(
+        ["--model_dir", str(tiny_models["st_cls"]), "--max_batch_tokens", "48",
+         "--batch_wait_ms", "20"]
+    )  # fmt: skip
+    shapes = forward_shapes(model)
+    responses = await predict_each(model, TEXTS)
+    assert all(r.status_code == 200 for r in responses)
+    assert all(rows * width <= 48 or rows == 1 for rows, width in shapes)
+
+
+async def test_a_bad_request_fails_alone(tiny_models):
+    model = load_model(["--model_dir", str(tiny_models["bert_fill_mask"]), "--batch_wait_ms", "20"])
+    texts = ["the capital of france is [MASK] ."] * 5 + ["no mask here"] + ["[MASK] lives"] * 5
+    responses = await predict_each(model, texts)
+    assert [r.status_code for r in responses] == [200] * 5 + [400] + [200] * 5
+    assert "[MASK]" in responses[5].json()["error"]
+
+
+async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_models):
+    model = load_model(["--model_dir", str(tiny_models["st_cls"])])
+    backend = model.backend
+    real_run = backend.run
+    calls = 0
+
+    async def flaky_run(batch):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return await real_run(batch)
+
+    backend.run = flaky_run
+    # the server answers 500 and re-raises for its log: keep the raise out of the test client
+    transport = httpx.ASGITransport(app=build_app(model), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        first = await client.post("/v1/models/model:predict", json={"instances": ["food"]})
+        second = await client.post("/v1/models/model:predict", json={"instances": ["food"]})
+    assert first.status_code == 500
+    assert second.status_code == 200
