@@ -1,10 +1,17 @@
-"""Checks on OpenAI answers that hold whichever backend serves them."""
+"""Checks on OpenAI answers that hold whichever backend serves them, and the transformers
+oracle they are compared with."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import openai
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+MAX_TOKENS = 12
+"""Tokens the greedy comparisons generate unless they say otherwise."""
 
 
 def check_streamed_chat_adds_up(client: openai.OpenAI, model: str, messages: Any) -> None:
@@ -26,3 +33,54 @@ def check_streamed_chat_adds_up(client: openai.OpenAI, model: str, messages: Any
     assert [c.choices[0].finish_reason for c in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert last.choices == [] and last.usage == whole.usage
+
+
+@dataclass
+class Reference:
+    """The model and tokenizer loaded straight from the folder: the oracle."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def chat_ids(self, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
+        """The chat template rendered with the generation prompt, tokenized without adding
+        special tokens a second time."""
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        """``model.generate`` greedy: the new tokens, up to and with the EOS if it came."""
+        with torch.no_grad():
+            output = self.model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+            )[0].tolist()
+        return output[1:] if self.model.config.is_encoder_decoder else output[len(prompt_ids) :]
+
+    def text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def log_softmax(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        """The model's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
+        with torch.no_grad():
+            if self.model.config.is_encoder_decoder:
+                start = self.model.config.decoder_start_token_id
+                logits = self.model(
+                    input_ids=torch.tensor([prompt_ids]),
+                    decoder_input_ids=torch.tensor([[start, *output_ids[:-1]]]),
+                ).logits[0]
+            else:
+                ids = torch.tensor([prompt_ids + output_ids[:-1]])
+                logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
+        return logits.float().log_softmax(dim=-1)
+
+    def finish_reason(self, new_ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
+        ended_on_eos = len(new_ids) < max_tokens or new_ids[-1] == self.tokenizer.eos_token_id
+        return "stop" if ended_on_eos else "length"

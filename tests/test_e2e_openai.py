@@ -9,23 +9,19 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 
 from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
 from tests.harness import ServerProcess, run_server
-from tests.openai_checks import check_streamed_chat_adds_up
+from tests.openai_checks import Reference, check_streamed_chat_adds_up
 
 pytestmark = pytest.mark.slow
 
@@ -66,31 +62,6 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/openai/v1", api_key="x", timeout=60)
 
 
-@dataclass
-class Reference:
-    """The served model loaded straight from its folder with transformers."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> str:
-        """``model.generate``'s greedy text."""
-        with torch.no_grad():
-            output = self.model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-            )[0, len(prompt_ids) :]
-        return self.tokenizer.decode(output, skip_special_tokens=True)
-
-
 @pytest.fixture(scope="module")
 def reference(llama_path: Path) -> Reference:
     model = AutoModelForCausalLM.from_pretrained(llama_path).eval()
@@ -115,7 +86,7 @@ def test_completions(client, reference):
     assert response.object == "text_completion"
     (choice,) = response.choices
     prompt_ids = reference.tokenizer("Hello world")["input_ids"]
-    assert choice.text == reference.greedy(prompt_ids, 12)
+    assert choice.text == reference.text(reference.greedy(prompt_ids, 12))
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
 
 
@@ -125,7 +96,7 @@ def test_chat(client, reference):
     )
     assert response.object == "chat.completion"
     prompt_ids = reference.chat_ids(MESSAGES)
-    assert response.choices[0].message.content == reference.greedy(prompt_ids, 12)
+    assert response.choices[0].message.content == reference.text(reference.greedy(prompt_ids, 12))
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
 
 

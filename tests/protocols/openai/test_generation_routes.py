@@ -9,7 +9,6 @@ import json
 import shutil
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,11 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from tests.harness import build_app, client_for, load_model
+from tests.openai_checks import MAX_TOKENS, Reference
 
 COMPLETIONS = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
@@ -39,7 +37,6 @@ MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Hello world"},
 ]
-MAX_TOKENS = 12
 # Renders "role: content" lines and a generation prompt; gpt2's tokenizer has no template.
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -51,57 +48,6 @@ MODEL_CLASSES = {
     "llama": AutoModelForCausalLM,
     "t5": AutoModelForSeq2SeqLM,
 }
-
-
-@dataclass
-class Reference:
-    """The model and tokenizer loaded straight from the folder: the oracle."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-    def chat_ids(self, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
-        """The chat template rendered with the generation prompt, tokenized without adding
-        special tokens a second time."""
-        text = self.tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def greedy(self, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        """``model.generate`` greedy: the new tokens, up to and with the EOS if it came."""
-        with torch.no_grad():
-            output = self.model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-            )[0].tolist()
-        return output[1:] if self.model.config.is_encoder_decoder else output[len(prompt_ids) :]
-
-    def text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def log_softmax(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
-        """The model's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
-        with torch.no_grad():
-            if self.model.config.is_encoder_decoder:
-                start = self.model.config.decoder_start_token_id
-                logits = self.model(
-                    input_ids=torch.tensor([prompt_ids]),
-                    decoder_input_ids=torch.tensor([[start, *output_ids[:-1]]]),
-                ).logits[0]
-            else:
-                ids = torch.tensor([prompt_ids + output_ids[:-1]])
-                logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
-        return logits.float().log_softmax(dim=-1)
-
-    def finish_reason(self, new_ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
-        ended_on_eos = len(new_ids) < max_tokens or new_ids[-1] == self.tokenizer.eos_token_id
-        return "stop" if ended_on_eos else "length"
 
 
 @pytest.fixture(scope="module")
