@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,6 +35,7 @@ from .responses import (
 )
 from .serving_generation import (
     SSE_DONE,
+    ChoiceState,
     Job,
     chat_prompt,
     collect,
@@ -69,6 +71,29 @@ class Exchange:
     def prompt_tokens(self) -> int:
         return sum(len(job.prompt_ids) for job in self.jobs)
 
+    @classmethod
+    def start(
+        cls,
+        id_prefix: str,
+        model: str,
+        backend: GenerationBackend,
+        jobs: list[Job],
+        include_usage: bool,
+    ) -> Exchange:
+        want_logprobs = jobs[0].params.logprobs is not None
+        return cls(new_id(id_prefix), model, now(), backend, jobs, include_usage, want_logprobs)
+
+    def respond(
+        self, build: Callable[..., BaseModel], choices: list[Any], states: list[ChoiceState]
+    ) -> JSONResponse:
+        """The whole (non-streamed) response, with usage counted from the choices' states."""
+        completion_tokens = sum(s.tokens for s in states)
+        response = build(
+            self.request_id, self.model, choices, self.prompt_tokens, completion_tokens,
+            self.created,
+        )  # fmt: skip
+        return JSONResponse(to_json_dict(response))
+
     def job_of(self, index: int) -> Job:
         n = self.jobs[0].params.n
         return self.jobs[index // n]
@@ -81,15 +106,7 @@ async def create_completion(
     params = request.to_sampling_params()
     prompts = completion_prompts(backend.tokenizer, request)
     jobs = plan_jobs(backend, prompts, params, "prompt", adapter)
-    exchange = Exchange(
-        new_id("cmpl"),
-        adapter or model.name,
-        now(),
-        backend,
-        jobs,
-        request.include_usage,
-        params.logprobs is not None,
-    )
+    exchange = Exchange.start("cmpl", adapter or model.name, backend, jobs, request.include_usage)
     echo = bool(request.echo)
     if request.stream:
         return event_stream(completion_events(exchange, echo))
@@ -104,16 +121,7 @@ async def create_completion(
             )
         text = prefix + "".join(state.text)
         choices.append(completion_choice(index, text, state.final_reason, logprobs))
-    completion_tokens = sum(s.tokens for s in states)
-    response = completion_response(
-        exchange.request_id,
-        exchange.model,
-        choices,
-        exchange.prompt_tokens,
-        completion_tokens,
-        exchange.created,
-    )
-    return JSONResponse(to_json_dict(response))
+    return exchange.respond(completion_response, choices, states)
 
 
 async def create_chat_completion(
@@ -123,14 +131,8 @@ async def create_chat_completion(
     params = request.to_sampling_params()
     prompt = chat_prompt(backend.tokenizer, request, model.chat_template)
     jobs = plan_jobs(backend, [prompt], params, "messages", adapter)
-    exchange = Exchange(
-        new_id("chatcmpl"),
-        adapter or model.name,
-        now(),
-        backend,
-        jobs,
-        request.include_usage,
-        params.logprobs is not None,
+    exchange = Exchange.start(
+        "chatcmpl", adapter or model.name, backend, jobs, request.include_usage
     )
     if request.stream:
         return event_stream(chat_events(exchange))
@@ -141,16 +143,7 @@ async def create_chat_completion(
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, state.logprobs))
         choices.append(chat_choice(index, "".join(state.text), state.final_reason, logprobs))
-    completion_tokens = sum(s.tokens for s in states)
-    response = chat_response(
-        exchange.request_id,
-        exchange.model,
-        choices,
-        exchange.prompt_tokens,
-        completion_tokens,
-        exchange.created,
-    )
-    return JSONResponse(to_json_dict(response))
+    return exchange.respond(chat_response, choices, states)
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
