@@ -87,7 +87,8 @@ class ServerConfig:
     max_batch_tokens: int = 16384
     """Encoder tasks: padded tokens per forward pass."""
     max_batch_size: int = 32
-    """Encoder tasks: sequences per forward pass (1 turns batching off)."""
+    """Sequences per forward pass: encoder batches, and the rows the transformers generation
+    backend decodes together (1 turns batching off)."""
     batch_wait_ms: float = 2.0
     """Encoder tasks: how long a request waits for others to share its forward pass."""
     chat_template: str | None = None
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag("return_offsets_mapping", "token classification: add character offsets")
     add_flag("return_labels", "classification: id2label names instead of class indices")
     add("max_batch_tokens", type=int, default=16384, help="encoders: padded tokens per forward")
-    add("max_batch_size", type=int, default=32, help="encoders: sequences per forward (1: off)")
+    add("max_batch_size", type=int, default=32, help="sequences per forward (1: off)")
     add("batch_wait_ms", type=float, default=2.0, help="encoders: wait to fill a batch (ms)")
     add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")

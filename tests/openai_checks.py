@@ -69,18 +69,25 @@ class Reference:
 
     def log_softmax(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
         """The model's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
-        with torch.no_grad():
-            if self.model.config.is_encoder_decoder:
-                start = self.model.config.decoder_start_token_id
-                logits = self.model(
-                    input_ids=torch.tensor([prompt_ids]),
-                    decoder_input_ids=torch.tensor([[start, *output_ids[:-1]]]),
-                ).logits[0]
-            else:
-                ids = torch.tensor([prompt_ids + output_ids[:-1]])
-                logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
-        return logits.float().log_softmax(dim=-1)
+        return model_log_softmax(self.model, prompt_ids, output_ids)
 
     def finish_reason(self, new_ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
         ended_on_eos = len(new_ids) < max_tokens or new_ids[-1] == self.tokenizer.eos_token_id
         return "stop" if ended_on_eos else "length"
+
+
+def model_log_softmax(
+    model: PreTrainedModel, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """The model's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            start = model.config.decoder_start_token_id
+            logits = model(
+                input_ids=torch.tensor([prompt_ids]),
+                decoder_input_ids=torch.tensor([[start, *output_ids[:-1]]]),
+            ).logits[0]
+        else:
+            ids = torch.tensor([prompt_ids + output_ids[:-1]])
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
+    return logits.float().log_softmax(dim=-1)

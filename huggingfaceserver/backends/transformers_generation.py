@@ -1,22 +1,16 @@
 """The transformers (PyTorch) backend for generation: causal and sequence-to-sequence LMs.
 
-A request is one batch of ``params.n`` rows decoded together with the model's KV cache, in a
-worker thread; deltas reach the event loop through an asyncio queue. The loop is written over
-a list of :class:`SequenceState` rows (each with its own settings, random generator, text and
-finish state) and a :class:`DecodeBatch` (the model side), so that one continuously batched
-loop shared by all requests can later replace "one loop per request" behind this interface.
+Requests are checked and turned into rows (:class:`~..generation.sequence.SequenceState`, one
+per choice) on the event loop; one :class:`~.continuous_batching.ContinuousBatcher` decodes the
+rows of every request in a worker thread, over the model's KV cache (:mod:`.decode_batch`);
+deltas reach each request's consumer through an asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import threading
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -27,16 +21,17 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.modeling_outputs import BaseModelOutput
 
 from ..cli import ServerConfig
 from ..errors import BadRequest, StartupError
 from ..generation.detokenize import IncrementalDetokenizer
-from ..generation.logits import choose_next_tokens
-from ..generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+from ..generation.params import ChoiceDelta, SamplingParams
+from ..generation.sequence import SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
 from ..tasks import Task
 from .base import GenerationBackend
+from .continuous_batching import ContinuousBatcher, Request
+from .decode_batch import CausalLMBatch, DecodeBatch, Seq2SeqBatch
 from .tokenizing import UNSET_MAX_LENGTH
 
 logger = logging.getLogger(__name__)
@@ -57,8 +52,6 @@ POSITION_LIMIT_ATTRIBUTES = (
 )
 # Context for relative-position models (T5) whose tokenizer sets no limit either.
 RELATIVE_POSITION_CONTEXT = 512
-# Requests decoded at the same time, each in its own worker thread; later ones wait.
-MAX_CONCURRENT_DECODES = 8
 
 
 def model_context_length(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -93,136 +86,9 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(i for i in found if i is not None)
 
 
-@dataclass(eq=False)
-class SequenceState:
-    """One choice being generated: its settings, generator, tokens, text and finish state."""
-
-    index: int
-    params: SamplingParams
-    prompt_ids: list[int]
-    stop_ids: frozenset[int]
-    """Tokens that end the choice: EOS (unless ignore_eos) and the stop token ids."""
-    budget: int
-    """New tokens at most: max_tokens, capped by the context length."""
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-    def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
-        """Take the next token; the delta it makes, with the finish reason when it ends."""
-        self.output_ids.append(token_id)
-        if token_id in self.stop_ids:
-            self.finish_reason = "stop"
-            keep = self.params.include_stop_str_in_output
-            text = (self.detokenizer.push(token_id) if keep else "") + self.detokenizer.flush()
-        else:
-            text = self.detokenizer.push(token_id)
-            if self.detokenizer.stopped:
-                self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.budget:
-                self.finish_reason = "length"
-                text += self.detokenizer.flush()
-        logprobs = None if logprob is None else [logprob]
-        return ChoiceDelta(self.index, text, [token_id], logprobs, self.finish_reason)
-
-
-def advance(rows: list[SequenceState], logits: torch.Tensor) -> list[ChoiceDelta]:
-    """Choose each row's next token from its logits ``[rows, vocab]``; their deltas."""
-    tokens, logprobs = choose_next_tokens(logits, rows)
-    return [row.append(token, lp) for row, token, lp in zip(rows, tokens, logprobs, strict=True)]
-
-
-class DecodeBatch(ABC):
-    """The model side of rows decoded together: their KV cache, one token per row a step."""
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-        self.device = model.device
-
-    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
-    @abstractmethod
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
-        """Run the prompt once for ``rows`` rows; the first next-token logits ``[rows, V]``."""
-
-    @abstractmethod
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed each row its latest token; the next-token logits ``[rows, V]``."""
-
-    @abstractmethod
-    def keep(self, rows: list[int]) -> None:
-        """Drop every row but these (by position), e.g. the finished ones."""
-
-
-class CausalLMBatch(DecodeBatch):
-    """A decoder-only model: the prompt's cache is computed once and repeated per row."""
-
-    def __init__(self, model: PreTrainedModel):
-        super().__init__(model)
-        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.extra = {"logits_to_keep": 1} if takes_keep else {}
-        self.cache: Any = None
-
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        output = self.model(
-            input_ids=input_ids, past_key_values=self.cache, use_cache=True, **self.extra
-        )
-        self.cache = output.past_key_values
-        return output.logits[:, -1]
-
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
-        logits = self._forward(self._ids([prompt_ids]))
-        if rows > 1:
-            self.cache.batch_repeat_interleave(rows)
-        return logits.expand(rows, -1)
-
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        return self._forward(self._ids([[token] for token in tokens]))
-
-    def keep(self, rows: list[int]) -> None:
-        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
-
-
-class Seq2SeqBatch(DecodeBatch):
-    """An encoder-decoder model: the prompt is encoded once, decoding starts at the model's
-    decoder start token."""
-
-    def __init__(self, model: PreTrainedModel, decoder_start_token_id: int):
-        super().__init__(model)
-        self.decoder_start_token_id = decoder_start_token_id
-        self.encoded = torch.empty(0)
-        self.cache: Any = None
-
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
-        encoder = self.model.get_encoder()
-        hidden = encoder(input_ids=self._ids([prompt_ids])).last_hidden_state
-        self.encoded = hidden.repeat(rows, 1, 1)
-        return self.step([self.decoder_start_token_id] * rows)
-
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        output = self.model(
-            encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
-            decoder_input_ids=self._ids([[token] for token in tokens]),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.cache = output.past_key_values
-        return output.logits[:, -1]
-
-    def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.encoded = self.encoded.index_select(0, index)
-
-
-Emit = Callable[[list[ChoiceDelta] | BaseException | None], None]
-
-
 class TransformersGenerator(GenerationBackend):
-    """Generate with an ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM``, one batched
-    decode loop per request in a worker thread."""
+    """Generate with an ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM``, every request's
+    rows in one continuously batched decode loop (``--max_batch_size`` rows at most)."""
 
     name = "huggingface"
 
@@ -231,7 +97,6 @@ class TransformersGenerator(GenerationBackend):
         self.config = config
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
-        self.executor = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="decode")
 
     def load(self) -> None:
         model_class = MODEL_CLASSES.get(self.source.task)
@@ -255,6 +120,7 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
+        self.batcher = ContinuousBatcher(self.new_batch, self.config.max_batch_size)
 
     def _decoder_start_token_id(self) -> int | None:
         if not self.is_encoder_decoder:
@@ -331,64 +197,36 @@ class TransformersGenerator(GenerationBackend):
             return CausalLMBatch(self.model)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
 
-    def decode(
-        self,
-        prompt_ids: list[int],
-        rows: list[SequenceState],
-        emit: Emit,
-        cancelled: threading.Event,
-    ) -> None:
-        """The decode loop (in a worker thread): until every row finished or ``cancelled``.
-
-        Emits each step's deltas, then None at the end, or the exception that stopped it.
-        """
-        if cancelled.is_set():  # the consumer left while this waited for a worker
-            return
-        try:
-            with torch.inference_mode():
-                batch = self.new_batch()
-                logits = batch.prefill(prompt_ids, len(rows))
-                while not cancelled.is_set():
-                    emit(advance(rows, logits))
-                    live = [i for i, row in enumerate(rows) if row.finish_reason is None]
-                    if not live:
-                        break
-                    if len(live) < len(rows):
-                        batch.keep(live)
-                        rows = [rows[i] for i in live]
-                    logits = batch.step([row.output_ids[-1] for row in rows])
-        except Exception as exc:  # the request fails, not the worker
-            emit(exc)
-        else:
-            if cancelled.is_set():
-                generated = max(len(row.output_ids) for row in rows)
-                logger.info("generation cancelled (client gone) after %d tokens", generated)
-            emit(None)
-
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[list[ChoiceDelta]]:
-        """Deltas of the ``params.n`` choices, step by step, from a decode loop in a worker
-        thread; closing the iterator (or cancelling its consumer) stops that loop."""
+        """Deltas of the ``params.n`` choices, step by step, from the shared decode loop;
+        closing the iterator (or cancelling its consumer) takes the rows out of that loop."""
         self.check_request(prompt_ids, params, adapter)
         rows = self.new_sequences(prompt_ids, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()
-        cancelled = threading.Event()
 
         def emit(item: list[ChoiceDelta] | BaseException | None) -> None:
-            if cancelled.is_set():
+            if request.cancelled.is_set():
                 return
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the event loop is gone
-                cancelled.set()
+                request.cancelled.set()
 
-        loop.run_in_executor(self.executor, self.decode, prompt_ids, rows, emit, cancelled)
+        request = Request(prompt_ids, rows, emit)
+        self.batcher.submit(request)
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            cancelled.set()  # a consumer that left (closed or cancelled) stops the loop
+            request.cancelled.set()  # a consumer that left (closed or cancelled) stops the loop
+
+    def shutdown(self) -> None:
+        """Stop the decode loop (when the model was loaded)."""
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close()

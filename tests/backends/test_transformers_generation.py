@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,122 +14,22 @@ import pytest
 import torch
 
 from huggingfaceserver.backends.transformers_generation import (
-    TransformersGenerator,
     model_context_length,
 )
-from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import BadRequest, StartupError
-from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams, TokenLogprob
-from huggingfaceserver.loading import load_source
+from huggingfaceserver.generation.params import SamplingParams
 
-PROMPTS = [
-    "Hello world",
-    "A man is eating a piece of bread.",
-    "Translate English to German: the house is wonderful.",
-]
-MAX_TOKENS = 12
-
-
-@dataclass
-class Choice:
-    """One choice put back together from its deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    deltas: int = 0
-
-
-def load(path: Path, *flags: str) -> TransformersGenerator:
-    config = parse_args(["--model_dir", str(path), *flags])
-    backend = TransformersGenerator(load_source(config), config)
-    backend.load()
-    return backend
-
-
-@pytest.fixture(scope="module")
-def backends(tiny_models: dict[str, Path]) -> Callable[..., TransformersGenerator]:
-    """``backends(name, sharp=False)``: a loaded backend per tiny model, shared in the module.
-
-    ``sharp`` multiplies the weight matrices by 20: the random tiny GPT-2 and T5 otherwise
-    repeat one token greedily, which would make "equals model.generate" a weak check.
-    """
-    cache: dict[tuple[str, bool], TransformersGenerator] = {}
-
-    def get(name: str, sharp: bool = False) -> TransformersGenerator:
-        if (name, sharp) not in cache:
-            backend = load(tiny_models[name])
-            if sharp:
-                with torch.no_grad():
-                    for weight in backend.model.parameters():
-                        if weight.dim() > 1:
-                            weight.mul_(20)
-            cache[name, sharp] = backend
-        return cache[name, sharp]
-
-    return get
-
-
-async def run(
-    backend: TransformersGenerator, prompt_ids: list[int], params: SamplingParams
-) -> list[Choice]:
-    choices = [Choice() for _ in range(params.n)]
-    async for deltas in backend.generate(prompt_ids, params):
-        for delta in deltas:
-            check_delta(choices[delta.index], delta)
-    return choices
-
-
-def check_delta(choice: Choice, delta: ChoiceDelta) -> None:
-    assert choice.finish_reason is None, "a delta after the choice finished"
-    choice.text += delta.text
-    choice.token_ids += delta.token_ids
-    choice.logprobs += delta.logprobs or []
-    choice.finish_reason = delta.finish_reason
-    choice.deltas += 1
-
-
-def prompt(backend: TransformersGenerator, text: str = PROMPTS[0]) -> list[int]:
-    return backend.tokenizer(text).input_ids
-
-
-def reference_greedy(backend: TransformersGenerator, prompt_ids: list[int], k: int) -> list[int]:
-    """``model.generate`` greedy: the new tokens, up to and with the EOS if it came."""
-    with torch.no_grad():
-        output = backend.model.generate(
-            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=k
-        )[0].tolist()
-    new = output[1:] if backend.is_encoder_decoder else output[len(prompt_ids) :]
-    return new[:k]
-
-
-def reference_logprobs(
-    backend: TransformersGenerator, prompt_ids: list[int], output_ids: list[int]
-) -> torch.Tensor:
-    """The model's log-softmax at each generated position: ``[len(output_ids), vocab]``."""
-    with torch.no_grad():
-        if backend.is_encoder_decoder:
-            start = backend.model.generation_config.decoder_start_token_id
-            logits = backend.model(
-                input_ids=torch.tensor([prompt_ids]),
-                decoder_input_ids=torch.tensor([[start, *output_ids[:-1]]]),
-            ).logits[0]
-        else:
-            ids = torch.tensor([prompt_ids + output_ids[:-1]])
-            logits = backend.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
-    return logits.float().log_softmax(dim=-1)
-
-
-@contextmanager
-def forward_calls(backend: TransformersGenerator) -> Iterator[list[int]]:
-    """The thread id of every model forward call made inside the block."""
-    threads: list[int] = []
-    handle = backend.model.register_forward_hook(lambda *_: threads.append(threading.get_ident()))
-    try:
-        yield threads
-    finally:
-        handle.remove()
+from .generation_helpers import (
+    MAX_TOKENS,
+    PROMPTS,
+    forward_calls,
+    load,
+    prompt,
+    reference_greedy,
+    reference_logprobs,
+    run,
+    wait_until_idle,
+)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
@@ -313,30 +211,20 @@ async def test_repetition_penalty_equals_model_generate(backends) -> None:
 
 async def test_closing_the_stream_stops_the_decode_loop(backends) -> None:
     backend = backends("llama")
-    finished = threading.Event()
-    decode = backend.decode
-
-    def decode_and_signal(*args) -> None:
-        try:
-            decode(*args)
-        finally:
-            finished.set()
 
     def slow_down(*_) -> None:
         threading.Event().wait(0.01)
 
     slow = backend.model.register_forward_pre_hook(slow_down)
-    backend.decode = decode_and_signal  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     try:
         with forward_calls(backend) as calls:
             stream = backend.generate(prompt(backend), params)
             received = [await anext(stream), await anext(stream)]
             await stream.aclose()
-            assert await asyncio.to_thread(finished.wait, 10)
+            assert await asyncio.to_thread(wait_until_idle, backend)
     finally:
         slow.remove()
-        del backend.decode
     assert len(received) == 2
     assert len(calls) <= 2 + 3  # prefill + one step, then at most a few more
 

@@ -1,0 +1,237 @@
+"""Continuous batching in the transformers generation backend: requests that arrive while
+others run join their decode batch, each keeps its own settings, and every output equals the
+same request run alone (greedy tokens identical, logprobs within 1e-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.errors import NotReady
+from huggingfaceserver.generation.params import SamplingParams
+
+from .generation_helpers import (
+    PROMPTS,
+    Choice,
+    check_delta,
+    forward_batch_sizes,
+    load,
+    prompt,
+    reference_greedy,
+    run,
+    wait_until_idle,
+)
+
+Request = tuple[list[int], SamplingParams]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@contextmanager
+def slow_forward(backend: TransformersGenerator, seconds: float = 0.005) -> Iterator[None]:
+    """Every forward takes a little longer, so that later requests reliably find earlier ones
+    still running."""
+
+    def wait(*_) -> None:
+        threading.Event().wait(seconds)
+
+    handle = backend.model.register_forward_pre_hook(wait)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+async def staggered(
+    backend: TransformersGenerator, requests: list[Request], after: int = 2
+) -> list[list[Choice]]:
+    """Run the requests, each started once the one before has received ``after`` steps."""
+    started = [asyncio.Event() for _ in requests]
+
+    async def one(i: int, prompt_ids: list[int], params: SamplingParams) -> list[Choice]:
+        if i:
+            await started[i - 1].wait()
+        choices = [Choice() for _ in range(params.n)]
+        received = 0
+        try:
+            async for deltas in backend.generate(prompt_ids, params):
+                for delta in deltas:
+                    check_delta(choices[delta.index], delta)
+                received += 1
+                if received == after:
+                    started[i].set()
+        finally:
+            started[i].set()
+        return choices
+
+    return await asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
+
+
+async def alone(backend: TransformersGenerator, requests: list[Request]) -> list[list[Choice]]:
+    return [await run(backend, *request) for request in requests]
+
+
+def tokens(results: list[list[Choice]]) -> list[list[list[int]]]:
+    return [[choice.token_ids for choice in choices] for choices in results]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+async def test_late_requests_join_the_batch_and_greedy_is_unchanged(backends, name) -> None:
+    backend = backends(name, sharp=name == "gpt2")
+    requests = [(prompt(backend, text), GREEDY) for text in reversed(PROMPTS)]
+    expected = await alone(backend, requests)
+    with slow_forward(backend), forward_batch_sizes(backend) as sizes:
+        together = await staggered(backend, requests)
+    assert tokens(together) == tokens(expected)
+    for (prompt_ids, _), choices in zip(requests, together, strict=True):
+        until_eos = reference_greedy(backend, prompt_ids, GREEDY.max_tokens or 0)
+        assert choices[0].token_ids[: len(until_eos)] == until_eos
+    assert max(sizes) == len(requests)  # all three decoded in one forward at some point
+    assert all(choices[0].finish_reason == "length" for choices in together)
+
+
+async def test_each_request_keeps_its_own_settings(backends) -> None:
+    backend = backends("llama")
+    ids = [prompt(backend, text) for text in PROMPTS]
+    requests: list[Request] = [
+        (ids[0], replace(GREEDY, logprobs=2)),
+        (ids[1], SamplingParams(n=2, seed=7, max_tokens=12, ignore_eos=True)),
+        (ids[2], SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=20, logprobs=0)),
+        (ids[0], replace(GREEDY, n=2, presence_penalty=2.0, max_tokens=10)),
+        (ids[1], SamplingParams(seed=1, top_p=0.8, repetition_penalty=1.3, max_tokens=14)),
+    ]
+    expected = await alone(backend, requests)
+    with slow_forward(backend), forward_batch_sizes(backend) as sizes:
+        together = await staggered(backend, requests)
+    assert max(sizes) > 2
+    assert tokens(together) == tokens(expected)
+    for got, want in zip(together, expected, strict=True):
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        for mine, theirs in zip(got, want, strict=True):
+            assert [lp.token_id for lp in mine.logprobs] == [lp.token_id for lp in theirs.logprobs]
+            for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+async def test_a_stop_string_ends_its_request_while_others_go_on(backends) -> None:
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[1])
+    (free,) = await run(backend, ids, GREEDY)
+    stop = free.text[len(free.text) // 3 :][:2]
+    requests: list[Request] = [
+        (prompt(backend, PROMPTS[2]), GREEDY),
+        (ids, replace(GREEDY, stop=(stop,))),
+        (prompt(backend, PROMPTS[0]), GREEDY),
+    ]
+    expected = await alone(backend, requests)
+    with slow_forward(backend):
+        together = await staggered(backend, requests, after=1)
+    assert expected[1][0].finish_reason == "stop"
+    assert tokens(together) == tokens(expected)
+    assert [c[0].text for c in together] == [c[0].text for c in expected]
+
+
+async def test_max_batch_size_bounds_the_rows_of_a_forward(tiny_models: dict[str, Path]) -> None:
+    for limit in (2, 1):
+        backend = load(tiny_models["llama"], "--max_batch_size", str(limit))
+        try:
+            requests = [(prompt(backend, text), GREEDY) for text in PROMPTS * 2]
+            requests.append((requests[0][0], replace(GREEDY, n=3)))  # more rows than the limit
+            expected = await alone(backend, requests)
+            with forward_batch_sizes(backend) as sizes:
+                together = await asyncio.gather(*(run(backend, *r) for r in requests))
+            assert tokens(together) == tokens(expected)
+            assert sizes.count(3) == GREEDY.max_tokens - 1  # the n=3 request's steps
+            assert {size for size in sizes if size != 3} == set(range(1, limit + 1))
+        finally:
+            backend.shutdown()
+
+
+async def test_a_request_that_leaves_frees_its_rows(backends, caplog) -> None:
+    backend = backends("llama")
+    staying = (prompt(backend, PROMPTS[2]), replace(GREEDY, max_tokens=30))
+    (expected,) = await run(backend, *staying)
+    with slow_forward(backend), caplog.at_level(logging.INFO):
+        stream = backend.generate(prompt(backend), replace(GREEDY, max_tokens=100))
+        await anext(stream)
+        stays = asyncio.create_task(run(backend, *staying))
+        await asyncio.sleep(0.05)  # both decode together
+        await stream.aclose()
+        (choice,) = await stays
+    assert choice.token_ids == expected.token_ids
+    assert await asyncio.to_thread(wait_until_idle, backend)
+    assert "generation cancelled (client gone)" in caplog.text
+
+
+async def test_a_failing_prefill_fails_only_its_request(backends) -> None:
+    backend = backends("llama")
+    bad_ids = prompt(backend, PROMPTS[2]) * 2
+    good = (prompt(backend, PROMPTS[1]), GREEDY)
+    (expected,) = await run(backend, *good)
+
+    def fail_on_bad_prompt(_module, _args, kwargs) -> None:
+        if kwargs["input_ids"].shape[1] == len(bad_ids):
+            raise RuntimeError("this prompt breaks the model")
+
+    hook = backend.model.register_forward_pre_hook(fail_on_bad_prompt, with_kwargs=True)
+    try:
+        with slow_forward(backend):
+            results = await asyncio.gather(
+                run(backend, *good), run(backend, bad_ids, GREEDY), return_exceptions=True
+            )
+    finally:
+        hook.remove()
+    assert isinstance(results[1], RuntimeError)
+    assert results[0] == [expected]
+
+
+async def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(backends) -> None:
+    backend = backends("llama")
+    failed = threading.Event()
+
+    def fail_once_while_decoding(_module, _args, kwargs) -> None:
+        if kwargs["input_ids"].shape == (2, 1) and not failed.is_set():
+            failed.set()
+            raise RuntimeError("out of memory")
+
+    requests = [(prompt(backend, text), GREEDY) for text in PROMPTS[:2]]
+    hook = backend.model.register_forward_pre_hook(fail_once_while_decoding, with_kwargs=True)
+    try:
+        with slow_forward(backend):
+            results = await asyncio.gather(
+                *(run(backend, *r) for r in requests), return_exceptions=True
+            )
+    finally:
+        hook.remove()
+    assert failed.is_set()
+    assert all(isinstance(result, RuntimeError) for result in results)
+    (choice,) = await run(backend, *requests[0])
+    assert choice.token_ids == reference_greedy(backend, requests[0][0], 16)
+
+
+async def test_sequence_to_sequence_requests_run_concurrently(backends) -> None:
+    backend = backends("t5", sharp=True)
+    requests = [(prompt(backend, text), replace(GREEDY, max_tokens=10)) for text in PROMPTS]
+    expected = await alone(backend, requests)
+    with slow_forward(backend, 0.002):
+        together = await staggered(backend, requests)
+    assert tokens(together) == tokens(expected)
+
+
+async def test_after_shutdown_requests_are_refused(tiny_models: dict[str, Path]) -> None:
+    backend = load(tiny_models["llama"])
+    backend.shutdown()
+    assert not backend.batcher.thread.is_alive()
+    with pytest.raises(NotReady):
+        await run(backend, prompt(backend), GREEDY)
+    assert torch.is_grad_enabled()
