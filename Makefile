@@ -18,7 +18,7 @@ VLLM_STAMP := $(VENV)/.vllm-$(VLLM_VERSION)
 LLM_DIR ?= .cache/tiny-llama
 BACKEND ?= huggingface
 
-.PHONY: install install-vllm run run-llm test test-vllm lint format clean
+.PHONY: install install-vllm run run-llm test test-vllm lint format clean bench
 
 install: $(STAMP)
 
@@ -66,6 +66,12 @@ test: install install-vllm
 # The vLLM tier against another vLLM release: make test-vllm VLLM_VERSION=0.32.0
 test-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
+
+# Throughput of the server against plain transformers on the same models; writes BENCHMARKS.md
+# (about 10 minutes on 2 cores). A smoke run: make bench BENCH_ARGS=--quick
+BENCH_ARGS ?=
+bench: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench $(BENCH_ARGS)
 
 lint: install
 	$(BIN)/ruff check huggingfaceserver tests

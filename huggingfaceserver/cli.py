@@ -86,7 +86,7 @@ class ServerConfig:
     """Classification: the model's id2label names instead of class indices."""
     max_batch_tokens: int = 16384
     """Encoder tasks: padded tokens per forward pass."""
-    max_batch_size: int = 32
+    max_batch_size: int = 16
     """Sequences per forward pass: encoder batches, and the rows the transformers generation
     backend decodes together (1 turns batching off)."""
     batch_wait_ms: float = 2.0
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag("return_offsets_mapping", "token classification: add character offsets")
     add_flag("return_labels", "classification: id2label names instead of class indices")
     add("max_batch_tokens", type=int, default=16384, help="encoders: padded tokens per forward")
-    add("max_batch_size", type=int, default=32, help="sequences per forward (1: off)")
+    add("max_batch_size", type=int, default=16, help="sequences per forward (1: off)")
     add("batch_wait_ms", type=float, default=2.0, help="encoders: wait to fill a batch (ms)")
     add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")

@@ -40,7 +40,7 @@ CONTRACT_DEFAULTS = {
     "max_log_len": None,
     "chat_template": None,
     "max_batch_tokens": 16384,
-    "max_batch_size": 32,
+    "max_batch_size": 16,
     "batch_wait_ms": 2.0,
 }
 

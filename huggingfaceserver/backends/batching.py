@@ -1,17 +1,23 @@
 """Dynamic batching for encoder tasks: requests that arrive together share forward passes.
 
 Each request is checked and tokenized on its own (a bad one fails alone, before it joins a
-batch), then split into rows, one per instance. A single worker drains the queue: it waits up
-to ``--batch_wait_ms`` for a batch to fill, sorts the waiting rows by length (less padding), and
-cuts them into batches of at most ``--max_batch_size`` rows and ``--max_batch_tokens`` padded
-tokens, run one after the other. Every request gets exactly its own rows' results back.
+batch), then split into rows, one per instance. A single worker thread drains the queue: when
+free, it takes every row waiting, and while other requests are still being tokenized (they
+announce themselves with :meth:`EncoderBatcher.expect`) it waits up to ``--batch_wait_ms`` for
+them; a lone request never waits. It sorts the rows by length (less padding) and cuts them into
+batches of at most ``--max_batch_size`` rows and ``--max_batch_tokens`` padded tokens, run one
+after the other. Every request gets exactly its own rows' results back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 Row = dict[str, torch.Tensor]
 """One instance's tensors (input_ids, attention_mask, ...), without padding."""
-RunBatch = Callable[[BatchEncoding], Awaitable[list[Any]]]
+RunBatch = Callable[[BatchEncoding, asyncio.AbstractEventLoop], list[Any]]
+"""Runs a merged batch on the batcher's thread (the loop: for backends that need it); a
+result per row."""
 
 
 def split_rows(batch: BatchEncoding) -> list[Row]:
@@ -47,25 +55,40 @@ def collate(rows: list[Row], pad_values: dict[str, int]) -> BatchEncoding:
     return BatchEncoding(columns)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     rows: list[Row]
     future: asyncio.Future[list[Any]]
+    loop: asyncio.AbstractEventLoop
     results: list[Any] = field(default_factory=list)
     done: int = 0
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.rows)
 
+    def settle(self, outcome: list[Any] | BaseException) -> None:
+        """Resolve the future with ``outcome`` (from any thread; once)."""
+
+        def resolve() -> None:
+            if self.future.done():  # the client left
+                return
+            if isinstance(outcome, BaseException):
+                self.future.set_exception(outcome)
+            else:
+                self.future.set_result(outcome)
+
+        with suppress(RuntimeError):  # the event loop is gone
+            self.loop.call_soon_threadsafe(resolve)
+
 
 @dataclass(frozen=True)
 class BatchLimits:
     max_batch_tokens: int = 16384
     """Padded tokens per forward pass."""
-    max_batch_size: int = 32
+    max_batch_size: int = 16
     """Rows per forward pass (1: no batching)."""
     wait_s: float = 0.002
-    """How long the first waiting row waits for others."""
+    """How long a batch waits for requests still being tokenized."""
 
 
 def plan_batches(
@@ -89,56 +112,85 @@ def plan_batches(
 
 
 class EncoderBatcher:
-    """One queue, one worker task, one future per request."""
+    """One worker thread, one queue of requests, one future per request.
+
+    The worker forms the next batch the moment it is free, from every row that arrived
+    meanwhile, so forward passes follow each other without waiting on the event loop.
+    """
 
     def __init__(self, run_batch: RunBatch, pad_values: dict[str, int], limits: BatchLimits):
         self.run_batch = run_batch
         self.pad_values = pad_values
         self.limits = limits
-        self.queue: asyncio.Queue[Request] = asyncio.Queue()
-        self.worker: asyncio.Task[None] | None = None
+        self.waiting: deque[Request] = deque()
+        self.wake = threading.Condition()
+        self.expected = 0
+        """Requests being prepared that will be submitted soon."""
+        self.thread: threading.Thread | None = None
+
+    @contextmanager
+    def expect(self) -> Iterator[None]:
+        """Around a request's preparation and ``put``: a batch about to run may wait for it."""
+        with self.wake:
+            self.expected += 1
+        try:
+            yield
+        finally:
+            with self.wake:
+                self.expected -= 1
+                self.wake.notify()
+
+    def put(self, rows: list[Row]) -> asyncio.Future[list[Any]]:
+        """Queue a request's rows; the future of their results, in order."""
+        loop = asyncio.get_running_loop()
+        request = Request(rows, loop.create_future(), loop)
+        with self.wake:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._work, name="batch", daemon=True)
+                self.thread.start()
+            self.waiting.append(request)
+            self.wake.notify()
+        return request.future
 
     async def submit(self, rows: list[Row]) -> list[Any]:
         """The results of a request's rows, in order, once the batches holding them ran."""
-        if self.worker is None or self.worker.done():
-            self.worker = asyncio.create_task(self._work())
-        request = Request(rows, asyncio.get_running_loop().create_future())
-        self.queue.put_nowait(request)
-        return await request.future
+        return await self.put(rows)
 
-    async def _gather(self) -> list[Request]:
-        requests = [await self.queue.get()]
-        deadline = asyncio.get_running_loop().time() + self.limits.wait_s
-        while sum(len(r.rows) for r in requests) < self.limits.max_batch_size:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                break
-            try:
-                requests.append(await asyncio.wait_for(self.queue.get(), remaining))
-            except asyncio.TimeoutError:
-                break
-        while not self.queue.empty():  # whatever else is already waiting joins too
-            requests.append(self.queue.get_nowait())
-        return [r for r in requests if not r.future.done()]  # a cancelled client is skipped
+    def _gather(self) -> list[Request]:
+        """Every waiting request, after waiting (bounded) for those still being prepared."""
+        with self.wake:
+            while not self.waiting:
+                self.wake.wait()
+            deadline = time.monotonic() + self.limits.wait_s
+            while self.expected and self._waiting_rows() < self.limits.max_batch_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.wake.wait(remaining)
+            requests = list(self.waiting)
+            self.waiting.clear()
+        return [r for r in requests if not r.future.done()]  # a client that left is skipped
 
-    async def _work(self) -> None:
+    def _waiting_rows(self) -> int:
+        return sum(len(request.rows) for request in self.waiting)
+
+    def _work(self) -> None:
         while True:
-            requests = await self._gather()
+            requests = self._gather()
             pending = [(request, i) for request in requests for i in range(len(request.rows))]
             for batch in plan_batches(pending, self.limits):
-                await self._run(batch)
+                self._run(batch)
 
-    async def _run(self, batch: list[tuple[Request, int]]) -> None:
+    def _run(self, batch: list[tuple[Request, int]]) -> None:
         try:
             encoded = collate([request.rows[i] for request, i in batch], self.pad_values)
-            results = await self.run_batch(encoded)
+            results = self.run_batch(encoded, batch[0][0].loop)
         except Exception as exc:  # this batch's requests fail; the worker goes on
-            for request, _ in batch:
-                if not request.future.done():
-                    request.future.set_exception(exc)
+            for request in dict.fromkeys(request for request, _ in batch):
+                request.settle(exc)
             return
         for (request, i), result in zip(batch, results, strict=True):
             request.results[i] = result
             request.done += 1
-            if request.done == len(request.rows) and not request.future.done():
-                request.future.set_result(request.results)
+            if request.done == len(request.rows):
+                request.settle(request.results)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
@@ -17,7 +19,9 @@ from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
 from ..tasks import Task
 from .base import EncoderBackend, EncoderInputs
-from .batching import BatchLimits, EncoderBatcher, split_rows
+from .batching import BatchLimits, EncoderBatcher, Row, split_rows
+
+T = TypeVar("T")
 
 # tokenizer.model_max_length is this large when the tokenizer sets no limit
 UNSET_MAX_LENGTH = 1_000_000
@@ -61,6 +65,7 @@ class TokenizingEncoder(EncoderBackend):
         self.source = source
         self.config = config
         self.task_class = encoder_task_class(source.task)
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def load(self) -> None:
         tokenizer = load_tokenizer(self.source, self.config)
@@ -97,19 +102,32 @@ class TokenizingEncoder(EncoderBackend):
 
     async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
         """Checked and tokenized alone, then run in batches shared with other requests."""
-        batch = await asyncio.to_thread(self.prepare_inputs, inputs)
-        results = await self.batcher.submit(split_rows(batch))
-        return results, lengths(batch)
+        with self.batcher.expect():
+            batch, rows = await self.off_loop(self.prepare_rows, inputs)
+            results = self.batcher.put(rows)
+        return await results, lengths(batch)
 
-    async def run_rows(self, batch: BatchEncoding) -> list[Any]:
-        """One merged batch through the model: a result per row."""
-        raw = await self.run(batch)
-        return await asyncio.to_thread(self.task.results, raw, batch)
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on the tokenizing thread. One thread, not a pool: tokenization
+        is mostly Python, and many threads queueing for the GIL would starve the event loop
+        (health probes stalled for 100s of ms under load)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizing, partial(function, *args))
+
+    def prepare_rows(self, inputs: EncoderInputs) -> tuple[BatchEncoding, list[Row]]:
+        batch = self.prepare_inputs(inputs)
+        return batch, split_rows(batch)
+
+    def run_rows(self, batch: BatchEncoding, loop: asyncio.AbstractEventLoop) -> list[Any]:
+        """One merged batch through the model, a result per row (on the batcher's thread:
+        ``run`` goes to the event loop)."""
+        raw = asyncio.run_coroutine_threadsafe(self.run(batch), loop).result()
+        return self.task.results(raw, batch)
 
     async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:
             raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
-        batch = await asyncio.to_thread(self.prepare_pairs, query, documents)
+        batch = await self.off_loop(self.prepare_pairs, query, documents)
         logits = await self.run(batch)
         return torch.sigmoid(logits[:, 0].float()).tolist(), sum(lengths(batch))
 

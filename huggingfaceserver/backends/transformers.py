@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import transformers
@@ -26,6 +28,9 @@ class TransformersEncoder(TokenizingEncoder):
         super().__init__(source, config)
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
+        # Batches run on the batcher's thread, cross-encoder scores on this one: few calling
+        # threads, as torch keeps an intra-op thread pool per calling thread.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="forward")
 
     def load_model(self) -> None:
         auto_class = getattr(transformers, self.task.auto_model)
@@ -48,4 +53,8 @@ class TransformersEncoder(TokenizingEncoder):
         return getattr(output, self.task.output_field).cpu()
 
     async def run(self, batch: BatchEncoding) -> torch.Tensor:
-        return await asyncio.to_thread(self.forward, batch)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.forward, batch)
+
+    def run_rows(self, batch: BatchEncoding, loop: asyncio.AbstractEventLoop) -> list[Any]:
+        """Forward and results, right here on the batcher's thread."""
+        return self.task.results(self.forward(batch), batch)

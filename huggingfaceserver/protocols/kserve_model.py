@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class BackendModel(Model):
     def load_backend(self) -> None:
         """Blocking: load tokenizer and weights, then report ready."""
         self.backend.load()
+        # What was loaded lives as long as the server: out of the collector's way, so that a
+        # full collection under load no longer scans it (the event loop stalled 100s of ms).
+        gc.collect()
+        gc.freeze()
         self.ready = True
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -29,7 +30,8 @@ TEXTS = [
 
 def rows_of(lengths: list[int]) -> list[tuple[Request, int]]:
     rows = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in lengths]
-    request = Request(rows, asyncio.Future(loop=asyncio.new_event_loop()))
+    loop = asyncio.new_event_loop()
+    request = Request(rows, loop.create_future(), loop)
     return [(request, i) for i in range(len(rows))]
 
 
@@ -130,17 +132,17 @@ async def test_a_bad_request_fails_alone(tiny_models):
 async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_models):
     model = load_model(["--model_dir", str(tiny_models["st_cls"])])
     backend = model.backend
-    real_run = backend.run
+    real_forward = backend.forward
     calls = 0
 
-    async def flaky_run(batch):
+    def flaky_forward(batch):
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("boom")
-        return await real_run(batch)
+        return real_forward(batch)
 
-    backend.run = flaky_run
+    backend.forward = flaky_forward
     # the server answers 500 and re-raises for its log: keep the raise out of the test client
     transport = httpx.ASGITransport(app=build_app(model), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -148,3 +150,12 @@ async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_mo
         second = await client.post("/v1/models/model:predict", json={"instances": ["food"]})
     assert first.status_code == 500
     assert second.status_code == 200
+
+
+async def test_a_lone_request_does_not_wait_for_a_batch(tiny_models):
+    model = load_model(["--model_dir", str(tiny_models["st_cls"]), "--batch_wait_ms", "5000"])
+    await predict_each(model, ["warm up"])
+    started = time.monotonic()
+    (response,) = await predict_each(model, ["alone"])
+    assert response.status_code == 200
+    assert time.monotonic() - started < 2.5  # nothing else was on its way: no 5 s wait

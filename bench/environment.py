@@ -1,0 +1,85 @@
+"""The machine and software a benchmark ran on, for the report header."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+PACKAGES = ("torch", "transformers", "tokenizers", "kserve", "huggingfaceserver")
+
+
+@dataclass(frozen=True)
+class Environment:
+    date: str
+    cpu: str
+    cores: int
+    memory_gib: float
+    python: str
+    packages: dict[str, str]
+    torch_threads: int
+    git: str
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _git() -> str:
+    """The commit, and ``+ uncommitted changes`` when the tree differs from it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit} + uncommitted changes" if dirty else commit
+
+
+def describe() -> Environment:
+    """This machine and the installed versions, now."""
+    import torch
+
+    return Environment(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        cpu=_cpu_model(),
+        cores=os.cpu_count() or 0,
+        memory_gib=_memory_gib(),
+        python=platform.python_version(),
+        packages={package: _version(package) for package in PACKAGES},
+        torch_threads=torch.get_num_threads(),
+        git=_git(),
+    )

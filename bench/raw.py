@@ -1,0 +1,155 @@
+"""The ceiling: plain transformers and torch on the same models, in this process, no server.
+
+Encoders: tokenize + forward (+ pooling or argmax) under ``torch.inference_mode`` in batches of
+several sizes, padded per batch; the best rate is the ceiling, and the batch-1 latencies are what
+one request costs without a server. Generation: ``model.generate`` on a left-padded batch,
+greedy, exactly ``new_tokens`` new tokens per row (checked).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
+
+Encode = Callable[[Sequence[str]], torch.Tensor]
+WARMUP_BATCHES = 3
+
+
+@dataclass
+class EncoderCeiling:
+    """Raw encoder rates (requests/s per repeat, by batch size) and batch-1 latencies."""
+
+    rates: dict[int, list[float]]
+    single_ms: list[float]
+    """Seconds per batch-1 call (tokenize + forward + post-processing), in ms, every call."""
+
+    @property
+    def best_batch(self) -> int:
+        return max(self.rates, key=lambda size: statistics.median(self.rates[size]))
+
+    @property
+    def best_rate(self) -> float:
+        return statistics.median(self.rates[self.best_batch])
+
+
+@dataclass
+class GenerationCeiling:
+    """Raw ``generate`` throughput (new tokens/s per repeat) by batch size."""
+
+    rates: dict[int, list[float]]
+    new_tokens: int
+    prompt_tokens: tuple[int, int]
+    """The shortest and longest prompt, in tokens."""
+
+
+def encoder(path: Path, task: str) -> Encode:
+    """What the server computes for ``task`` (``sequence_classification`` or ``text_embedding``),
+    as one function of a batch of texts."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if task == "sequence_classification":
+        classifier = AutoModelForSequenceClassification.from_pretrained(path).eval()
+
+        def classify(texts: Sequence[str]) -> torch.Tensor:
+            batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+            return classifier(**batch).logits.argmax(dim=-1)
+
+        return classify
+    model = AutoModel.from_pretrained(path).eval()
+
+    def embed(texts: Sequence[str]) -> torch.Tensor:
+        batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(mean, p=2, dim=1)
+
+    return embed
+
+
+def _batches(texts: Sequence[str], size: int) -> list[Sequence[str]]:
+    return [texts[i : i + size] for i in range(0, len(texts), size)]
+
+
+def time_encoder(encode: Encode, texts: Sequence[str], batch_size: int) -> list[float]:
+    """Seconds per batch for ``texts`` cut into batches of ``batch_size``, after a warm-up."""
+    batches = _batches(texts, batch_size)
+    seconds = []
+    with torch.inference_mode():
+        for batch in batches[:WARMUP_BATCHES]:
+            encode(batch)
+        for batch in batches:
+            start = time.perf_counter()
+            encode(batch)
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def encoder_ceiling(
+    path: Path, task: str, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int
+) -> EncoderCeiling:
+    """Requests/s for every batch size, ``repeats`` times (interleaved), and batch-1 latencies."""
+    encode = encoder(path, task)
+    rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
+    single_ms: list[float] = []
+    for _ in range(repeats):
+        for size in batch_sizes:
+            seconds = time_encoder(encode, texts, size)
+            rates[size].append(len(texts) / sum(seconds))
+            if size == 1:
+                single_ms += [s * 1000 for s in seconds]
+    return EncoderCeiling(rates, single_ms)
+
+
+def generate_new_tokens(
+    model: Any,  # a causal LM; transformers types generate's self and result too loosely
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    new_tokens: int,
+) -> float:
+    """Seconds for one greedy ``generate`` of ``new_tokens`` tokens on a left-padded batch.
+
+    Fails when a row got fewer tokens or an EOS: the rate would not be comparable.
+    """
+    batch = tokenizer(list(prompts), padding=True, return_tensors="pt")
+    eos = tokenizer.eos_token_id
+    start = time.perf_counter()
+    output = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, pad_token_id=eos)
+    seconds = time.perf_counter() - start
+    generated = output[:, batch["input_ids"].shape[1] :]
+    if generated.shape[1] != new_tokens or bool((generated == eos).any()):
+        raise RuntimeError(f"raw generate made {generated.shape[1]} tokens or hit EOS")
+    return seconds
+
+
+def generation_ceiling(
+    path: Path, prompts: Sequence[str], batch_sizes: Sequence[int], new_tokens: int, repeats: int
+) -> GenerationCeiling:
+    """New tokens/s of ``generate`` for each batch size (prompts taken in order), per repeat."""
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
+    with torch.inference_mode():
+        for size in batch_sizes:  # warm-up: first calls allocate and pick kernels
+            generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
+            generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
+        for _ in range(repeats):
+            for size in batch_sizes:
+                seconds = generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
+                rates[size].append(size * new_tokens / seconds)
+    lengths = [len(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+    return GenerationCeiling(rates, new_tokens, (min(lengths), max(lengths)))

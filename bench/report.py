@@ -1,0 +1,209 @@
+"""``BENCHMARKS.md``: the header (date, machine, versions, method), the targets, one section
+per workload (raw ceiling, then the server per mode and concurrency)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from . import texts
+from .environment import Environment
+from .raw import EncoderCeiling, GenerationCeiling
+from .runner import WorkloadResult
+from .stats import Spread, percentile
+from .summary import RunSummary, summarize
+from .targets import Target
+from .workloads import Settings
+
+ENCODER_COLUMNS = (
+    "configuration",
+    "route",
+    "C",
+    "req/s (median [min–max])",
+    "of ceiling",
+    "p50 ms",
+    "p95 ms",
+    "p99 ms",
+    "errors",
+    "CPU server / client",
+    "peak RSS MiB",
+    "health p50 / p99 / max ms",
+)
+GENERATION_COLUMNS = (
+    "configuration",
+    "C",
+    "tokens/s (median [min–max])",
+    "of raw",
+    "p50 ms",
+    "p95 ms",
+    "p99 ms",
+    "TTFT p50 / p95 / p99 ms",
+    "errors",
+    "CPU server / client",
+    "peak RSS MiB",
+    "health p50 / p99 / max ms",
+)
+
+
+def num(value: float, digits: int = 1) -> str:
+    """A number for a table cell; a dash when it was not measured."""
+    return "–" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def spread(value: Spread, digits: int = 1) -> str:
+    if value.low == value.high:
+        return num(value.median, digits)
+    return f"{num(value.median, digits)} [{num(value.low, digits)}–{num(value.high, digits)}]"
+
+
+def triple(values: Sequence[float]) -> str:
+    return " / ".join(num(v) for v in values)
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def header(env: Environment, command: str, settings: Settings, runtime_s: float) -> list[str]:
+    versions = ", ".join(f"{name} {v}" for name, v in env.packages.items())
+    return [
+        "# Benchmarks",
+        "",
+        f"- Date: {env.date}; whole run {runtime_s / 60:.1f} min.",
+        f"- Machine: {env.cpu}, {env.cores} cores, {env.memory_gib:.1f} GiB RAM, no GPU; "
+        "shared with other work, so figures are noisy: each is the median of "
+        f"{settings.repeats} repeat(s), with [min–max] for the rates.",
+        f"- Software: Python {env.python}, {versions}; torch threads {env.torch_threads} "
+        f"(defaults, raw and server alike); git {env.git}.",
+        f"- Command: `{command}`.",
+        "",
+        "Method. The raw rows are plain transformers in the benchmark process with no server "
+        "running: tokenizer + forward (+ pooling or argmax) under `torch.inference_mode`, "
+        "padded per batch, or `model.generate` (greedy, left-padded). The server is started as "
+        "a user starts it (`python -m huggingfaceserver --model_dir DIR --model_name NAME ...`, "
+        "default flags, request logging on) and loaded in a closed loop: C workers, each "
+        "sending its next request when the last one answered (aiohttp, in the benchmark "
+        "process, on the same cores as the server), one text per request, "
+        f"{settings.duration_s:.0f} s per encoder run after {settings.warmup_s:.0f} s of "
+        f"warm-up, {settings.generation_rounds} request(s) per worker (at least "
+        f"{settings.generation_min_requests} per run) for generation. Meanwhile a separate "
+        "process probes `GET /v2/health/live` every 100 ms on a new connection (as a kubelet "
+        "does). Peak RSS is VmHWM of the server process (and children) since its start. "
+        "Batching off is `--max_batch_size 1`.",
+        "",
+    ]
+
+
+def targets_section(targets: Sequence[Target]) -> list[str]:
+    lines = ["## Targets", ""]
+    for target in targets:
+        lines.append(f"- **{'PASS' if target.passed else 'FAIL'}** {target.name}: {target.detail}")
+    return lines + [""]
+
+
+def _server_cells(summary: RunSummary) -> list[str]:
+    """errors, RSS and health cells shared by both kinds of table."""
+    health = f"{triple(summary.health_ms)}"
+    if summary.health_failures:
+        health += f" ({summary.health_failures} failed)"
+    cpu = " / ".join(num(cores, 2) for cores in summary.cpu_cores)
+    return [f"{len(summary.errors)}/{summary.requests}", cpu, num(summary.peak_rss_mb, 0), health]
+
+
+def encoder_rows(result: WorkloadResult, ceiling: EncoderCeiling) -> list[list[str]]:
+    single = [percentile(ceiling.single_ms, q) for q in (50, 95, 99)]
+    best = ceiling.best_batch
+    dash = ["–"] * 4
+    alone = Spread.of(ceiling.rates[1])
+    rows = [
+        ["raw, batch 1", "–", "–", spread(alone), f"{alone.median / ceiling.best_rate:.0%}"]
+        + [*map(num, single), *dash],
+        ["raw, best batch", f"batch {best}", "–", spread(Spread.of(ceiling.rates[best])), "100%"]
+        + ["–"] * 3
+        + dash,
+    ]
+    for mode in result.modes:
+        for (route, concurrency), runs in mode.runs.items():
+            summary = summarize(runs, tokens=False)
+            share = summary.rate.median / ceiling.best_rate
+            rows.append(
+                [f"server, {mode.mode.label}", route, str(concurrency), spread(summary.rate)]
+                + [f"{share:.0%}", *map(num, summary.latency_ms), *_server_cells(summary)]
+            )
+    return rows
+
+
+def generation_rows(result: WorkloadResult, ceiling: GenerationCeiling) -> list[list[str]]:
+    rows = [
+        [f"raw generate, batch {size}", "–", spread(Spread.of(rates), 0), "–"] + ["–"] * 8
+        for size, rates in ceiling.rates.items()
+    ]
+    for mode in result.modes:
+        for (_, concurrency), runs in mode.runs.items():
+            summary = summarize(runs, tokens=True)
+            raw = ceiling.rates.get(concurrency)
+            share = f"{summary.rate.median / statistics.median(raw):.0%}" if raw else ""
+            rows.append(
+                [f"server, {mode.mode.label}", str(concurrency), spread(summary.rate, 0), share]
+                + [*map(num, summary.latency_ms), triple(summary.ttft_ms)]
+                + _server_cells(summary)
+            )
+    return rows
+
+
+def _words() -> str:
+    counts = [len(sentence.split()) for sentence in texts.SENTENCES]
+    return f"{len(counts)} sentences of {min(counts)}–{max(counts)} words, in turn"
+
+
+def _raw_detail(ceiling: EncoderCeiling) -> str:
+    rates = ", ".join(
+        f"batch {size}: {statistics.median(r):.1f}" for size, r in ceiling.rates.items()
+    )
+    return f"Raw requests/s by batch size (median): {rates}."
+
+
+def workload_section(result: WorkloadResult) -> list[str]:
+    workload = result.workload
+    lines = [f"## {workload.title}", ""]
+    if isinstance(result.raw, EncoderCeiling):
+        lines += table(ENCODER_COLUMNS, encoder_rows(result, result.raw))
+        lines += ["", _raw_detail(result.raw) + f" Requests: one sentence each ({_words()})."]
+    elif isinstance(result.raw, GenerationCeiling):
+        lines += table(GENERATION_COLUMNS, generation_rows(result, result.raw))
+        low, high = result.raw.prompt_tokens
+        lines += [
+            "",
+            f"Prompts of {low}–{high} tokens, greedy, exactly {result.raw.new_tokens} new tokens "
+            "per request (checked: the model cannot generate EOS, BOS or lone bytes). Latency "
+            "is the whole stream; TTFT is the first chunk with text.",
+        ]
+    startups = ", ".join(f"{m.mode.label} {m.startup_s:.0f} s" for m in result.modes)
+    lines += ["", f"Server start to ready: {startups}.", ""]
+    errors = [
+        error
+        for mode in result.modes
+        for runs in mode.runs.values()
+        for r in runs
+        for error in r.errors
+    ]
+    if errors:
+        lines += [f"First errors ({len(errors)} in all): " + "; ".join(errors[:3]), ""]
+    return lines
+
+
+def render(
+    results: Sequence[WorkloadResult],
+    targets: Sequence[Target],
+    env: Environment,
+    command: str,
+    settings: Settings,
+    runtime_s: float,
+) -> str:
+    """The whole markdown document."""
+    lines = header(env, command, settings, runtime_s) + targets_section(targets)
+    for result in results:
+        lines += workload_section(result)
+    return "\n".join(lines).rstrip() + "\n"

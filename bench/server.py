@@ -1,0 +1,153 @@
+"""The server under test, started as a user starts it and stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A running ``python -m huggingfaceserver`` process."""
+
+    process: subprocess.Popen[bytes]
+    http_port: int
+    log_path: Path
+    started_at: float
+    ready_s: float = float("nan")
+    """Seconds from the start of the process to the first ready answer."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_ready(server: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll ``/v2/health/ready`` until 200, with a deadline; fail if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.process.returncode}:\n{server.log_tail()}"
+            )
+        try:
+            if httpx.get(server.url + "/v2/health/ready", timeout=2).status_code == 200:
+                server.ready_s = time.monotonic() - server.started_at
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not ready after {timeout_s}s:\n{server.log_tail()}")
+
+
+def start(args: Sequence[str], log_path: Path) -> Server:
+    """``python -m huggingfaceserver ARGS --http_port P --grpc_port Q`` on free ports."""
+    http_port, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "huggingfaceserver", *args]
+    command += ["--http_port", str(http_port), "--grpc_port", str(grpc_port)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started_at = time.monotonic()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    return Server(process, http_port, log_path, started_at)
+
+
+def stop(server: Server) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after :data:`STOP_TIMEOUT_S`."""
+    if server.process.poll() is not None:
+        return
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@contextmanager
+def serving(args: Sequence[str], log_path: Path) -> Iterator[Server]:
+    """A ready server for the ``with`` block, stopped after it."""
+    server = start(args, log_path)
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        stop(server)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _vm_hwm_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _family(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    pending, found = [pid], []
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        pending += _children(current)
+    return found
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of ``pid`` and all its descendants, in MiB."""
+    return sum(_vm_hwm_kb(member) for member in _family(pid)) / 1024
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by ``pid`` and its live descendants, in seconds."""
+    return sum(_cpu_ticks(member) for member in _family(pid)) / os.sysconf("SC_CLK_TCK")
