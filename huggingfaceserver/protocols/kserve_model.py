@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import uuid
@@ -64,6 +65,7 @@ class BackendModel(Model):
         # full collection under load no longer scans it (the event loop stalled 100s of ms).
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)  # collected at exit as before (no leak reports at exit)
         self.ready = True
 
     def stop(self) -> None:
