@@ -12,7 +12,6 @@ after the other. Every request gets exactly its own rows' results back.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections import deque
@@ -23,8 +22,6 @@ from typing import Any
 
 import torch
 from transformers import BatchEncoding
-
-logger = logging.getLogger(__name__)
 
 Row = dict[str, torch.Tensor]
 """One instance's tensors (input_ids, attention_mask, ...), without padding."""
@@ -151,10 +148,6 @@ class EncoderBatcher:
             self.waiting.append(request)
             self.wake.notify()
         return request.future
-
-    async def submit(self, rows: list[Row]) -> list[Any]:
-        """The results of a request's rows, in order, once the batches holding them ran."""
-        return await self.put(rows)
 
     def _gather(self) -> list[Request]:
         """Every waiting request, after waiting (bounded) for those still being prepared."""

@@ -33,13 +33,16 @@ it."""
 
 @dataclass(eq=False)
 class Request:
-    """One generation request: its prompt, its ``n`` rows and where its deltas go."""
+    """One generation request: its ``n`` rows (sharing one prompt) and where its deltas go."""
 
-    prompt_ids: list[int]
     rows: list[SequenceState]
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set by the consumer when it leaves; its rows then stop at the next step."""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.rows[0].prompt_ids
 
 
 @dataclass(eq=False)

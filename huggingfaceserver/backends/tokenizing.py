@@ -109,8 +109,8 @@ class TokenizingEncoder(EncoderBackend):
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the tokenizing thread. One thread, not a pool: tokenization
-        is mostly Python, and many threads queueing for the GIL would starve the event loop
-        (health probes stalled for 100s of ms under load)."""
+        is mostly Python under the GIL, so more threads would add little but contention with
+        the event loop and the batcher's thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizing, partial(function, *args))
 

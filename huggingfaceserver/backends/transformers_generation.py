@@ -215,7 +215,7 @@ class TransformersGenerator(GenerationBackend):
             except RuntimeError:  # the event loop is gone
                 request.cancelled.set()
 
-        request = Request(prompt_ids, rows, emit)
+        request = Request(rows, emit)
         self.batcher.submit(request)
         try:
             while (item := await queue.get()) is not None:
