@@ -95,6 +95,10 @@ class ServerConfig:
     """A chat template (Jinja text, or the path of a file holding one) for chat requests."""
     disable_log_requests: bool = False
     """Do not log requests."""
+    api_workers: int | None = None
+    """Front processes (HTTP, gRPC, tokenization, rendering) in front of one engine process
+    that owns the model; None (``auto``): one per two cores on a CUDA device (at most 8),
+    else one: the whole server in one process, with no IPC (see :mod:`.layout`)."""
     max_log_len: int | None = None
     """Truncate logged inputs to this many characters (the log line only)."""
     server: dict[str, Any] = field(default_factory=dict)
@@ -123,6 +127,18 @@ def _kserve_parser() -> argparse.ArgumentParser:
     from ._kserve import model_server
 
     return model_server.parser
+
+
+def _api_workers(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {value!r}")
+    return count
 
 
 def _task(value: str) -> Task:
@@ -192,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("batch_wait_ms", type=float, default=2.0, help="encoders: wait to fill a batch (ms)")
     add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")
+    add(
+        "api_workers",
+        default=None,
+        type=_api_workers,
+        metavar="auto|N",
+        help="front processes before one engine process (auto: by device; 1: in-process)",
+    )
     add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
     return parser
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Any
 
@@ -18,12 +19,14 @@ from kserve.protocol.rest.v2_datamodels import InferenceRequest
 from pydantic import ValidationError
 
 from ._kserve import model_server, sync_kserve_args
-from .backends import choose_backend
+from .backends import BackendChoice, choose_backend
 from .backends.base import EncoderBackend, GenerationBackend
+from .backends.engine import EngineEncoder, EngineGenerator
 from .backends.remote import RemoteEncoder
 from .backends.transformers import TransformersEncoder
 from .backends.transformers_generation import TransformersGenerator
 from .cli import ServerConfig
+from .engine.client import EngineClient
 from .errors import (
     BadRequest,
     ServerError,
@@ -32,7 +35,9 @@ from .errors import (
     server_error_handler,
     validation_error_handler,
 )
-from .loading import load_source, read_chat_template
+from .layout import choose_layout
+from .listeners import http_socket, start_servers
+from .loading import ModelSource, device, load_source, read_chat_template
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 from .protocols.openai.models import ServedModels
 from .protocols.openai.routes import mount_openai, route_prefix
@@ -61,44 +66,101 @@ class ModelAwareDataPlane(DataPlane):
         return super().decode_inference_request(body, headers, model_name)
 
 
-def build_model(config: ServerConfig) -> BackendModel:
-    """Everything short of loading weights: locate the model, read its config, pick a backend.
+def local_backend(
+    source: ModelSource, config: ServerConfig, choice: BackendChoice
+) -> EncoderBackend | GenerationBackend:
+    """The backend that runs the model in this process (or on the remote predictor)."""
+    if source.task.is_generative:
+        if choice.name == "vllm":
+            from .backends.vllm.generation import VLLMGenerator  # vLLM only when it serves
 
-    Raises :class:`StartupError` for anything the user must fix, before serving starts.
-    """
+            return VLLMGenerator(source, config)
+        return TransformersGenerator(source, config)
+    if choice.name == "vllm":
+        from .backends.vllm.embedding import VLLMEmbedder  # vLLM only when it serves
+
+        return VLLMEmbedder(source, config)
+    if config.server.get("predictor_host"):
+        return RemoteEncoder(source, config)
+    return TransformersEncoder(source, config)
+
+
+def engine_local_backend(config: ServerConfig) -> EncoderBackend | GenerationBackend:
+    """The engine process's backend: the model on transformers, in this process."""
+    source, choice = locate(config)
+    return local_backend(source, config, BackendChoice("huggingface", "the engine process"))
+
+
+def engine_backend(
+    source: ModelSource, config: ServerConfig, client: EngineClient
+) -> EncoderBackend | GenerationBackend:
+    """A front process's backend: the model runs in the engine process."""
+    if source.task.is_generative:
+        return EngineGenerator(source, config, client)
+    return EngineEncoder(source, config, client)
+
+
+def locate(config: ServerConfig) -> tuple[ModelSource, BackendChoice]:
+    """Locate the model, read its config, pick a backend (:class:`StartupError` for anything
+    the user must fix, before serving starts)."""
     if config.server.get("workers", 1) > 1:
-        raise StartupError("--workers > 1 is not supported: one process holds the model")
+        raise StartupError(
+            "--workers > 1 is not supported: one process holds the model; use --api_workers N "
+            "for N front processes before one engine process"
+        )
     source = load_source(config)
     choice = choose_backend(config.backend, source.task, source.config.architectures or [])
-    logger.info("backend %s: %s", choice.name, choice.reason)
+    return source, choice
+
+
+def build_model(
+    config: ServerConfig,
+    located: tuple[ModelSource, BackendChoice] | None = None,
+    client: EngineClient | None = None,
+) -> BackendModel:
+    """Everything short of loading weights: the model as KServe serves it, with its backend
+    (the engine's client in a front process)."""
+    source, choice = located or locate(config)
     if config.engine_flags and choice.name != "vllm":
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in config.engine_flags),
         )
-    if source.task.is_generative:
-        generator: GenerationBackend
-        if choice.name == "vllm":
-            from .backends.vllm.generation import VLLMGenerator  # vLLM only when it serves
-
-            generator = VLLMGenerator(source, config)
-        else:
-            generator = TransformersGenerator(source, config)
+    if client is None:
+        backend = local_backend(source, config, choice)
+    else:
+        backend = engine_backend(source, config, client)
+    if isinstance(backend, GenerationBackend):
         template = read_chat_template(config.chat_template)
-        return GenerationModel(config.model_name, source.task, generator, template)
+        return GenerationModel(config.model_name, source.task, backend, template)
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
-    backend: EncoderBackend
-    if choice.name == "vllm":
-        from .backends.vllm.embedding import VLLMEmbedder  # vLLM only when it serves
-
-        backend = VLLMEmbedder(source, config)
-    elif config.server.get("predictor_host"):
-        backend = RemoteEncoder(source, config)
-    else:
-        backend = TransformersEncoder(source, config)
     logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
     return EncoderModel(config.model_name, source.task, backend, logging_)
+
+
+def serve(config: ServerConfig) -> None:
+    """Serve until stopped, in one process or as an engine behind front processes.
+    Startup problems raise :class:`StartupError`."""
+    source, choice = locate(config)
+    logger.info("backend %s: %s", choice.name, choice.reason)
+    layout = choose_layout(
+        config.api_workers,
+        choice.name,
+        remote=bool(config.server.get("predictor_host")) and not source.task.is_generative,
+        cuda=device().type == "cuda",
+        cores=os.cpu_count() or 1,
+    )
+    if layout.split:
+        logger.info(
+            "%d front processes before one engine process (%s)", layout.api_workers, layout.reason
+        )
+        from .supervisor import run_processes
+
+        run_processes(config, layout.api_workers)
+        return
+    logger.info("one process (%s)", layout.reason)
+    serve_model(build_model(config, (source, choice)), config)
 
 
 def adapter_names(model: BackendModel) -> list[str]:
@@ -112,7 +174,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
 
-class Supervisor:
+class ModelLoader:
     """Loads the model in the background, then watches its backend.
 
     A load failure or a dead backend is kept in ``failures`` and shuts the server down the
@@ -133,6 +195,7 @@ class Supervisor:
     async def load(self) -> None:
         """Load off the event loop while the server already answers health probes."""
         try:
+            await self.model.backend.connect()
             await asyncio.to_thread(self.model.load_backend)
         except StartupError as exc:
             self.fail(exc)
@@ -178,9 +241,9 @@ def _model_server(config: ServerConfig) -> ModelServer:
     return server
 
 
-def serve(config: ServerConfig) -> None:
-    """Serve until stopped. Startup problems raise :class:`StartupError`."""
-    model = build_model(config)
+def serve_model(model: BackendModel, config: ServerConfig, shared_port: bool = False) -> None:
+    """Serve ``model`` over HTTP and gRPC until stopped: the whole server, or one front
+    process (``shared_port``: its HTTP port is shared with the other fronts)."""
     sync_kserve_args(config.server)
     server = _model_server(config)
     server.register_model(model)
@@ -188,8 +251,9 @@ def serve(config: ServerConfig) -> None:
         server.register_model(model, name=adapter)
     install_error_handlers(model_server.app)
     mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
-    supervisor = Supervisor(model)
-    server.servers.append(supervisor.load())
-    server.start([])
-    if supervisor.failures:
-        raise supervisor.failures[0]
+    sock = http_socket(server.http_port, shared=shared_port)
+    loader = ModelLoader(model)
+    server.servers.append(loader.load())
+    start_servers(server, sock)
+    if loader.failures:
+        raise loader.failures[0]

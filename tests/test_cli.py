@@ -42,6 +42,7 @@ CONTRACT_DEFAULTS = {
     "max_batch_tokens": 16384,
     "max_batch_size": 16,
     "batch_wait_ms": 2.0,
+    "api_workers": None,
 }
 
 KSERVE_DEFAULTS = {
@@ -79,6 +80,7 @@ OWN_FLAGS = {
     "max_batch_tokens": ("4096", 4096),
     "max_batch_size": ("8", 8),
     "batch_wait_ms": ("5", 5.0),
+    "api_workers": ("3", 3),
 }
 
 
@@ -271,7 +273,14 @@ def test_max_length_must_be_positive(value, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--dtype", "fp8"], ["--backend", "onnx"], ["--max_length", "lots"]]
+    "argv",
+    [
+        ["--dtype", "fp8"],
+        ["--backend", "onnx"],
+        ["--max_length", "lots"],
+        ["--api_workers", "0"],
+        ["--api_workers", "many"],
+    ],
 )
 def test_invalid_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -350,3 +359,8 @@ def test_batching_limits_must_be_sensible(argv, capsys):
         parse_args(["--model_dir", "/models/bert", *argv])
     assert exit_info.value.code == 2
     assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", None), ("1", 1), ("8", 8)])
+def test_api_workers_is_auto_or_a_count(value, expected):
+    assert parse_args(["--api_workers", value]).api_workers == expected

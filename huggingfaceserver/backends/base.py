@@ -26,6 +26,9 @@ class EncoderBackend(ABC):
     name: str
     task: EncoderTask
 
+    async def connect(self) -> None:
+        """On the event loop, before ``load``: backends served by another process connect."""
+
     @abstractmethod
     def load(self) -> None:
         """Load tokenizer and weights; afterwards ``task`` is set."""
@@ -65,6 +68,9 @@ class GenerationBackend(ABC):
     max_model_len: int
     """Context length: prompt plus generated tokens may not exceed it."""
     is_encoder_decoder: bool = False
+
+    async def connect(self) -> None:
+        """On the event loop, before ``load``: backends served by another process connect."""
 
     @abstractmethod
     def load(self) -> None:

@@ -1,7 +1,7 @@
 """Dynamic batching for encoder tasks: requests that arrive together share forward passes.
 
 Each request is checked and tokenized on its own (a bad one fails alone, before it joins a
-batch), then split into rows, one per instance. A single worker thread drains the queue: when
+batch) into rows, one per instance (:mod:`.encoding`). A single worker thread drains the queue: when
 free, it takes every row waiting, and while other requests are still being tokenized (they
 announce themselves with :meth:`EncoderBatcher.expect`) it waits up to ``--batch_wait_ms`` for
 them; a lone request never waits. It sorts the rows by length (less padding) and cuts them into
@@ -16,66 +16,73 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import BatchEncoding
 
-Row = dict[str, torch.Tensor]
-"""One instance's tensors (input_ids, attention_mask, ...), without padding."""
-RunBatch = Callable[[BatchEncoding, asyncio.AbstractEventLoop], list[Any]]
-"""Runs a merged batch on the batcher's thread (the loop: for backends that need it); a
-result per row."""
+from ..loop_calls import LoopCalls
+from .encoding import Row
 
-
-def split_rows(batch: BatchEncoding) -> list[Row]:
-    """A padded request batch as one unpadded row per instance."""
-    sizes = batch["attention_mask"].sum(dim=1).tolist()
-    return [{key: value[i, :size] for key, value in batch.items()} for i, size in enumerate(sizes)]
+RunBatch = Callable[[BatchEncoding, list[str]], list[Any]]
+"""Runs a merged batch on the batcher's thread, given each row's kind (see
+:attr:`Request.kind`); a result per row."""
+Settle = Callable[[list[Any] | BaseException], None]
+"""Receives a request's results (or the exception that failed it), on the batcher's thread."""
 
 
 def collate(rows: list[Row], pad_values: dict[str, int]) -> BatchEncoding:
-    """Right-pad rows into one batch (``pad_values`` per key; 0 where not given)."""
-    width = max(len(row["input_ids"]) for row in rows)
+    """Right-pad rows into one batch (``pad_values`` per key; 0 where not given), with the
+    attention mask that hides the padding."""
+    lengths = np.array([len(row["input_ids"]) for row in rows])
+    width = int(lengths.max())
     columns: dict[str, torch.Tensor] = {}
-    for key in rows[0]:
-        padded = []
-        for row in rows:
-            value = row[key]
-            fill = torch.full(
-                (width - len(value), *value.shape[1:]), pad_values.get(key, 0), dtype=value.dtype
-            )
-            padded.append(torch.cat([value, fill]))
-        columns[key] = torch.stack(padded)
+    for key, first in rows[0].items():
+        padded = np.full((len(rows), width, *first.shape[1:]), pad_values.get(key, 0), np.int64)
+        for index, row in enumerate(rows):
+            padded[index, : len(row[key])] = row[key]
+        columns[key] = torch.from_numpy(padded)
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    columns["attention_mask"] = torch.from_numpy(mask.astype(np.int64))
     return BatchEncoding(columns)
 
 
 @dataclass(eq=False)
 class Request:
     rows: list[Row]
-    future: asyncio.Future[list[Any]]
-    loop: asyncio.AbstractEventLoop
+    settle: Settle
+    """Called once, on the batcher's thread, with the results or the failure."""
+    kind: str = "task"
+    """What a row's result is: ``task`` (the task's prediction) or ``pair`` (a cross-encoder
+    relevance score); rows of both kinds share forward passes."""
+    cancelled: bool = False
+    """Set when nobody waits for the results any more: the request is skipped if not started."""
     results: list[Any] = field(default_factory=list)
     done: int = 0
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.rows)
 
-    def settle(self, outcome: list[Any] | BaseException) -> None:
-        """Resolve the future with ``outcome`` (from any thread; once)."""
 
-        def resolve() -> None:
-            if self.future.done():  # the client left
-                return
-            if isinstance(outcome, BaseException):
-                self.future.set_exception(outcome)
-            else:
-                self.future.set_result(outcome)
+def future_settle(future: asyncio.Future[list[Any]]) -> Settle:
+    """A :data:`Settle` that resolves ``future`` on its event loop (from any thread)."""
+    calls = LoopCalls.of(future.get_loop())
 
-        with suppress(RuntimeError):  # the event loop is gone
-            self.loop.call_soon_threadsafe(resolve)
+    def resolve(outcome: list[Any] | BaseException) -> None:
+        if future.done():  # the client left
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def settle(outcome: list[Any] | BaseException) -> None:
+        calls.call(resolve, outcome)
+
+    return settle
 
 
 @dataclass(frozen=True)
@@ -137,17 +144,23 @@ class EncoderBatcher:
                 self.expected -= 1
                 self.wake.notify()
 
-    def put(self, rows: list[Row]) -> asyncio.Future[list[Any]]:
-        """Queue a request's rows; the future of their results, in order."""
-        loop = asyncio.get_running_loop()
-        request = Request(rows, loop.create_future(), loop)
+    def put(self, rows: list[Row], kind: str = "task") -> asyncio.Future[list[Any]]:
+        """Queue a request's rows; the future of their results, in order. Cancelling the
+        future takes the request out of the queue if its batch has not started."""
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        request = Request(rows, future_settle(future), kind)
+        future.add_done_callback(lambda f: setattr(request, "cancelled", f.cancelled()))
+        self.submit(request)
+        return future
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (from any thread); its ``settle`` gets the outcome."""
         with self.wake:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._work, name="batch", daemon=True)
                 self.thread.start()
             self.waiting.append(request)
             self.wake.notify()
-        return request.future
 
     def _gather(self) -> list[Request]:
         """Every waiting request, after waiting (bounded) for those still being prepared."""
@@ -162,7 +175,7 @@ class EncoderBatcher:
                 self.wake.wait(remaining)
             requests = list(self.waiting)
             self.waiting.clear()
-        return [r for r in requests if not r.future.done()]  # a client that left is skipped
+        return [r for r in requests if not r.cancelled]  # a client that left is skipped
 
     def _waiting_rows(self) -> int:
         return sum(len(request.rows) for request in self.waiting)
@@ -177,7 +190,7 @@ class EncoderBatcher:
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         try:
             encoded = collate([request.rows[i] for request, i in batch], self.pad_values)
-            results = self.run_batch(encoded, batch[0][0].loop)
+            results = self.run_batch(encoded, [request.kind for request, _ in batch])
         except Exception as exc:  # this batch's requests fail; the worker goes on
             for request in dict.fromkeys(request for request, _ in batch):
                 request.settle(exc)

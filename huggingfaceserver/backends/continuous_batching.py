@@ -159,7 +159,7 @@ class ContinuousBatcher:
         live = [
             i
             for i, (row, owner) in enumerate(zip(group.rows, group.owners, strict=True))
-            if row.finish_reason is None and not owner.cancelled.is_set()
+            if row.finish_reason is None and not row.aborted and not owner.cancelled.is_set()
         ]
         if len(live) == len(group.rows):
             return

@@ -9,9 +9,11 @@ transformers backend post-processes its own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import httpx
@@ -23,6 +25,7 @@ from transformers import BatchEncoding
 from ..cli import ServerConfig
 from ..errors import StartupError, UpstreamError
 from ..loading import ModelSource
+from .encoding import Row
 from .tokenizing import TokenizingEncoder
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class RemoteEncoder(TokenizingEncoder):
                 f"--predictor_host needs --predictor_protocol v2 or grpc-v2, not {self.protocol}"
             )
         self._send: Send | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the predictor calls run on (the one requests arrive on)."""
 
     def load_model(self) -> None:
         s = self.config.server
@@ -84,6 +89,15 @@ class RemoteEncoder(TokenizingEncoder):
         return InferRequest(
             model_name=self.config.model_name, infer_inputs=inputs, request_id=str(uuid.uuid4())
         )
+
+    def submit_rows(self, rows: list[Row], kind: str) -> Awaitable[list[Any]]:
+        self.loop = asyncio.get_running_loop()
+        return super().submit_rows(rows, kind)
+
+    def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
+        """The predictor's answer for a merged batch: the call runs on the event loop."""
+        assert self.loop is not None, "rows are submitted on the event loop first"
+        return asyncio.run_coroutine_threadsafe(self.run(batch), self.loop).result()
 
     async def run(self, batch: BatchEncoding) -> torch.Tensor:
         assert self._send is not None, "load() first"

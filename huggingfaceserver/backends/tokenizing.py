@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -14,12 +15,12 @@ from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBas
 
 from ..cli import ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
-from ..encoders.base import lengths
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
 from ..tasks import Task
 from .base import EncoderBackend, EncoderInputs
-from .batching import BatchLimits, EncoderBatcher, Row, split_rows
+from .batching import BatchLimits, EncoderBatcher
+from .encoding import InputEncoder, Row
 
 T = TypeVar("T")
 
@@ -58,6 +59,29 @@ def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> 
             raise BadRequest(f"input {index} has token ids outside the vocabulary (0..{vocab - 1})")
 
 
+def pair_scores(raw: torch.Tensor) -> list[float]:
+    """A one-logit cross-encoder's relevance scores in [0, 1]."""
+    return torch.sigmoid(raw[:, 0].float()).tolist()
+
+
+def results_by_kind(
+    task: EncoderTask, raw: torch.Tensor, batch: BatchEncoding, kinds: list[str]
+) -> list[Any]:
+    """A result per row of a merged batch: the task's prediction, or a pair's score."""
+    if all(kind == "task" for kind in kinds):
+        return task.results(raw, batch)
+    if all(kind == "pair" for kind in kinds):
+        return pair_scores(raw)
+    out: list[Any] = [None] * len(kinds)
+    for kind in set(kinds):
+        index = [i for i, k in enumerate(kinds) if k == kind]
+        sub = BatchEncoding({key: value[index] for key, value in batch.items()})
+        part = pair_scores(raw[index]) if kind == "pair" else task.results(raw[index], sub)
+        for i, result in zip(index, part, strict=True):
+            out[i] = result
+    return out
+
+
 class TokenizingEncoder(EncoderBackend):
     """Loads the tokenizer and the task; turns texts into a checked, padded batch."""
 
@@ -81,6 +105,13 @@ class TokenizingEncoder(EncoderBackend):
         if self.task.needs_offsets and not tokenizer.is_fast:
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
         self.max_length = resolve_max_length(self.config.max_length, tokenizer, self.source.config)
+        self.inputs = InputEncoder(
+            tokenizer,
+            self.max_length,
+            add_special_tokens=not self.config.disable_special_tokens,
+            token_type_ids=self.config.return_token_type_ids,
+            offsets=self.task.needs_offsets,
+        )
         self.load_model()
         pad_values = {
             "input_ids": tokenizer.pad_token_id,
@@ -96,16 +127,30 @@ class TokenizingEncoder(EncoderBackend):
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
 
-    @abstractmethod
-    async def run(self, batch: BatchEncoding) -> torch.Tensor:
-        """The model's raw output for a batch: logits, or the last hidden state."""
-
     async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
         """Checked and tokenized alone, then run in batches shared with other requests."""
-        with self.batcher.expect():
-            batch, rows = await self.off_loop(self.prepare_rows, inputs)
-            results = self.batcher.put(rows)
-        return await results, lengths(batch)
+        with self.preparing():
+            counts, rows = await self.off_loop(self.prepare_rows, inputs)
+            results = self.submit_rows(rows, "task")
+        return await results, counts
+
+    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Cross-encoder scores; the pairs share forward passes with every other request."""
+        if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:
+            raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
+        with self.preparing():
+            counts, rows = await self.off_loop(self.prepare_pair_rows, query, documents)
+            results = self.submit_rows(rows, "pair")
+        return await results, sum(counts)
+
+    def preparing(self) -> AbstractContextManager[None]:
+        """Around a request's preparation and submission: a batch about to run may wait
+        (``--batch_wait_ms``) for the requests still being tokenized."""
+        return self.batcher.expect()
+
+    def submit_rows(self, rows: list[Row], kind: str) -> Awaitable[list[Any]]:
+        """Queue a request's rows for the batcher: a result per row, of ``kind``."""
+        return self.batcher.put(rows, kind)
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the tokenizing thread. One thread, not a pool: tokenization
@@ -114,59 +159,33 @@ class TokenizingEncoder(EncoderBackend):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizing, partial(function, *args))
 
-    def prepare_rows(self, inputs: EncoderInputs) -> tuple[BatchEncoding, list[Row]]:
-        batch = self.prepare_inputs(inputs)
-        return batch, split_rows(batch)
-
-    def run_rows(self, batch: BatchEncoding, loop: asyncio.AbstractEventLoop) -> list[Any]:
-        """One merged batch through the model, a result per row (on the batcher's thread:
-        ``run`` goes to the event loop)."""
-        raw = asyncio.run_coroutine_threadsafe(self.run(batch), loop).result()
-        return self.task.results(raw, batch)
-
-    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
-        if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:
-            raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
-        batch = await self.off_loop(self.prepare_pairs, query, documents)
-        logits = await self.run(batch)
-        return torch.sigmoid(logits[:, 0].float()).tolist(), sum(lengths(batch))
-
-    def prepare_inputs(self, inputs: EncoderInputs) -> BatchEncoding:
+    def prepare_rows(self, inputs: EncoderInputs) -> tuple[list[int], list[Row]]:
+        """A request's inputs checked and tokenized (blocking: off the event loop): each one's
+        token count, and its row."""
         if inputs and not isinstance(inputs[0], str):
-            return self.prepare_ids([list(ids) for ids in inputs])  # type: ignore[arg-type]
-        return self.prepare(inputs)  # type: ignore[arg-type]
+            ids: list[list[int]] = [list(i) for i in inputs]  # type: ignore[arg-type]
+            check_token_inputs(ids, len(self.tokenizer), self.max_length)
+            rows = self.inputs.token_ids(ids)
+        else:
+            for index, text in enumerate(inputs):
+                self.task.check_text(index, text)  # type: ignore[arg-type]
+            rows = self.inputs.texts(inputs)  # type: ignore[arg-type]
+        self.task.check_rows(rows)
+        return [len(row["input_ids"]) for row in rows], rows
 
-    def prepare_ids(self, inputs: list[list[int]]) -> BatchEncoding:
-        """Token id inputs, used as they are (no special tokens added), checked and padded."""
-        check_token_inputs(inputs, len(self.tokenizer), self.max_length)
-        batch = self.tokenizer.pad({"input_ids": inputs}, padding=True, return_tensors="pt")
-        self.task.check_encoding(batch)
-        return batch
-
-    def prepare_pairs(self, query: str, documents: Sequence[str]) -> BatchEncoding:
+    def prepare_pair_rows(
+        self, query: str, documents: Sequence[str]
+    ) -> tuple[list[int], list[Row]]:
         """(query, document) pairs for a cross-encoder, truncated to the maximum length."""
-        return self.tokenizer(
-            [query] * len(documents),
-            list(documents),
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        )
+        rows = self.inputs.pairs(query, documents)
+        return [len(row["input_ids"]) for row in rows], rows
 
-    def prepare(self, texts: Sequence[str]) -> BatchEncoding:
-        """Check and tokenize a request's texts (blocking: call it off the event loop)."""
-        for index, text in enumerate(texts):
-            self.task.check_text(index, text)
-        batch = self.tokenizer(
-            list(texts),
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            add_special_tokens=not self.config.disable_special_tokens,
-            return_token_type_ids=True if self.config.return_token_type_ids else None,
-            return_offsets_mapping=self.task.needs_offsets,
-            return_tensors="pt",
-        )
-        self.task.check_encoding(batch)
-        return batch
+    def run_rows(self, batch: BatchEncoding, kinds: list[str]) -> list[Any]:
+        """One merged batch through the model, a result per row of its kind (on the
+        batcher's thread)."""
+        return results_by_kind(self.task, self.forward_batch(batch), batch, kinds)
+
+    @abstractmethod
+    def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
+        """The model's raw output (logits, or the last hidden state) for a merged batch, on
+        the batcher's thread."""

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 import transformers
@@ -28,9 +25,6 @@ class TransformersEncoder(TokenizingEncoder):
         super().__init__(source, config)
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
-        # Batches run on the batcher's thread, cross-encoder scores on this one: few calling
-        # threads, as torch keeps an intra-op thread pool per calling thread.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="forward")
 
     def load_model(self) -> None:
         auto_class = getattr(transformers, self.task.auto_model)
@@ -52,9 +46,5 @@ class TransformersEncoder(TokenizingEncoder):
             output = self.model(**inputs, return_dict=True)
         return getattr(output, self.task.output_field).cpu()
 
-    async def run(self, batch: BatchEncoding) -> torch.Tensor:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.forward, batch)
-
-    def run_rows(self, batch: BatchEncoding, loop: asyncio.AbstractEventLoop) -> list[Any]:
-        """Forward and results, right here on the batcher's thread."""
-        return self.task.results(self.forward(batch), batch)
+    def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
+        return self.forward(batch)

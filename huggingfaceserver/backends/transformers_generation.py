@@ -24,9 +24,8 @@ from transformers import (
 
 from ..cli import ServerConfig
 from ..errors import BadRequest, StartupError
-from ..generation.detokenize import IncrementalDetokenizer
 from ..generation.params import ChoiceDelta, SamplingParams
-from ..generation.sequence import SequenceState
+from ..generation.sequence import ChoiceText, SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
 from ..tasks import Task
 from .base import GenerationBackend
@@ -86,6 +85,31 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(i for i in found if i is not None)
 
 
+def check_generation_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    adapter: str | None,
+    max_model_len: int,
+    vocab_size: int,
+) -> None:
+    """What a transformers-served model refuses (the protocol layer should have caught it)."""
+    if adapter is not None:
+        raise BadRequest("LoRA adapters are served by the vLLM backend only")
+    if not prompt_ids:
+        raise BadRequest("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens; "
+            f"the prompt has {len(prompt_ids)}, leaving no room for a completion"
+        )
+    if params.n < 1 or (params.max_tokens is not None and params.max_tokens < 1):
+        raise BadRequest("n and max_tokens must be at least 1")
+    ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
+    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
+    if outside:
+        raise BadRequest(f"token ids outside the vocabulary (0-{vocab_size - 1}): {outside}")
+
+
 class TransformersGenerator(GenerationBackend):
     """Generate with an ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM``, every request's
     rows in one continuously batched decode loop (``--max_batch_size`` rows at most)."""
@@ -136,26 +160,13 @@ class TransformersGenerator(GenerationBackend):
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
         """Refuse what the model cannot do (the protocol layer should have caught it)."""
-        if adapter is not None:
-            raise BadRequest("LoRA adapters are served by the vLLM backend only")
-        if not prompt_ids:
-            raise BadRequest("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {len(prompt_ids)}, leaving no room for a completion"
-            )
-        if params.n < 1 or (params.max_tokens is not None and params.max_tokens < 1):
-            raise BadRequest("n and max_tokens must be at least 1")
-        ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
-        outside = sorted(i for i in ids if not 0 <= i < self.vocab_size)
-        if outside:
-            raise BadRequest(
-                f"token ids outside the vocabulary (0-{self.vocab_size - 1}): {outside}"
-            )
+        check_generation_request(prompt_ids, params, adapter, self.max_model_len, self.vocab_size)
 
-    def new_sequences(self, prompt_ids: list[int], params: SamplingParams) -> list[SequenceState]:
-        """The ``params.n`` rows of a request (row i samples with seed ``params.seed + i``)."""
+    def new_sequences(
+        self, prompt_ids: list[int], params: SamplingParams, with_text: bool = True
+    ) -> list[SequenceState]:
+        """The ``params.n`` rows of a request (row i samples with seed ``params.seed + i``);
+        ``with_text=False``: rows that yield token ids only (a front process makes the text)."""
         budget = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None:
             budget = min(budget, params.max_tokens)
@@ -170,13 +181,7 @@ class TransformersGenerator(GenerationBackend):
                 stop_ids=stop_ids,
                 budget=budget,
                 generator=self._generator(params, index),
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens,
-                ),
+                text=ChoiceText.for_params(self.tokenizer, params) if with_text else None,
             )
             for index in range(params.n)
         ]

@@ -69,8 +69,8 @@ class EncoderTask(ABC):
     def check_text(self, index: int, text: str) -> None:
         """Reject an instance before tokenization (a :class:`BadRequest`)."""
 
-    def check_encoding(self, batch: BatchEncoding) -> None:
-        """Reject a batch after tokenization (a :class:`BadRequest`)."""
+    def check_rows(self, rows: list[dict[str, np.ndarray]]) -> None:
+        """Reject a request's tokenized rows (a :class:`BadRequest`)."""
 
     @abstractmethod
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
@@ -30,13 +31,12 @@ class FillMask(EncoderTask):
                 f"instance {index} has no mask token {self.tokenizer.mask_token!r}: {text[:80]!r}"
             )
 
-    def check_encoding(self, batch: BatchEncoding) -> None:
-        has_mask = (batch["input_ids"] == self.tokenizer.mask_token_id).any(dim=1)
-        for index, present in enumerate(has_mask.tolist()):
-            if not present:
+    def check_rows(self, rows: list[dict[str, np.ndarray]]) -> None:
+        for index, row in enumerate(rows):
+            if not (row["input_ids"] == self.tokenizer.mask_token_id).any():
                 raise BadRequest(
                     f"instance {index}: the mask token was cut off by truncation to "
-                    f"the maximum length ({batch['input_ids'].shape[1]} tokens)"
+                    f"the maximum length ({len(row['input_ids'])} tokens)"
                 )
 
     def label_key(self, index: int) -> str:

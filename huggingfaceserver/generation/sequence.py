@@ -9,10 +9,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .detokenize import IncrementalDetokenizer
 from .logits import choose_next_tokens
 from .params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass(eq=False)
+class ChoiceText:
+    """The text side of a choice: its tokens turned into text, cut at the first stop string.
+
+    Runs where the text is made: in the decode loop when the server is one process, in the
+    front process that serves the request otherwise (the engine then sends token ids only).
+    """
+
+    detokenizer: IncrementalDetokenizer
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def for_params(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> ChoiceText:
+        return cls(
+            IncrementalDetokenizer(
+                tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            ),
+            params.include_stop_str_in_output,
+        )
+
+    def take(self, token_id: int, ended: FinishReason | None) -> tuple[str, FinishReason | None]:
+        """The text ``token_id`` adds, and the choice's finish reason after it.
+
+        ``ended`` is what the token side decided: "stop" for a stop token (EOS or a stop token
+        id), "length" when the token budget is spent; a stop string in the text also ends the
+        choice ("stop"), and wins over "length".
+        """
+        if ended == "stop":
+            keep = self.include_stop_str_in_output
+            text = self.detokenizer.push(token_id) if keep else ""
+            return text + self.detokenizer.flush(), "stop"
+        text = self.detokenizer.push(token_id)
+        if self.detokenizer.stopped:
+            return text, "stop"
+        if ended == "length":
+            return text + self.detokenizer.flush(), "length"
+        return text, None
 
 
 @dataclass(eq=False)
@@ -27,24 +71,28 @@ class SequenceState:
     budget: int
     """New tokens at most: max_tokens, capped by the context length."""
     generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
+    text: ChoiceText | None
+    """None when the text is made elsewhere (a front process): deltas then carry tokens only,
+    with the finish reasons the tokens decide."""
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    aborted: bool = False
+    """Set from another thread when whoever makes the text ended the choice (a stop string):
+    the row leaves the batch after the current step."""
 
     def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Take the next token; the delta it makes, with the finish reason when it ends."""
         self.output_ids.append(token_id)
+        ended: FinishReason | None = None
         if token_id in self.stop_ids:
-            self.finish_reason = "stop"
-            keep = self.params.include_stop_str_in_output
-            text = (self.detokenizer.push(token_id) if keep else "") + self.detokenizer.flush()
+            ended = "stop"
+        elif len(self.output_ids) >= self.budget:
+            ended = "length"
+        text = ""
+        if self.text is None:
+            self.finish_reason = ended
         else:
-            text = self.detokenizer.push(token_id)
-            if self.detokenizer.stopped:
-                self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.budget:
-                self.finish_reason = "length"
-                text += self.detokenizer.flush()
+            text, self.finish_reason = self.text.take(token_id, ended)
         logprobs = None if logprob is None else [logprob]
         return ChoiceDelta(self.index, text, [token_id], logprobs, self.finish_reason)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
+import random
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +14,18 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..errors import BadRequest
+from ..loading import freeze_loaded_heap
 from ..tasks import Task
 from .kserve_inputs import texts_from_v1, texts_from_v2
 
 logger = logging.getLogger(__name__)
+
+
+def new_request_id() -> str:
+    """A random UUID4 from Python's generator (seeded from the OS once per process): ids need
+    no secrecy, and ``uuid.uuid4()`` reads ``os.urandom`` every time, a system call that hands
+    the GIL to the busy batching threads and waits to get it back."""
+    return str(uuid.UUID(int=random.getrandbits(128), version=4))
 
 
 @dataclass
@@ -61,11 +68,7 @@ class BackendModel(Model):
     def load_backend(self) -> None:
         """Blocking: load tokenizer and weights, then report ready."""
         self.backend.load()
-        # What was loaded lives as long as the server: out of the collector's way, so that a
-        # full collection under load no longer scans it (the event loop stalled 100s of ms).
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # collected at exit as before (no leak reports at exit)
+        freeze_loaded_heap()
         self.ready = True
 
     def stop(self) -> None:
@@ -110,10 +113,10 @@ class EncoderModel(BackendModel):
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> EncoderCall:
         headers = headers or {}
         if isinstance(payload, InferRequest):
-            request_id = payload.id or headers.get("x-request-id") or str(uuid.uuid4())
+            request_id = payload.id or headers.get("x-request-id") or new_request_id()
             call = EncoderCall(request_id, texts_from_v2(payload), v2=payload)
         else:
-            request_id = headers.get("x-request-id") or str(uuid.uuid4())
+            request_id = headers.get("x-request-id") or new_request_id()
             call = EncoderCall(request_id, texts_from_v1(payload))
         if self.request_logging.enabled:
             logger.info("%s", self.request_logging.line(call, self.name))

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -14,8 +15,8 @@ from huggingfaceserver.backends.batching import (
     Request,
     collate,
     plan_batches,
-    split_rows,
 )
+from huggingfaceserver.backends.encoding import InputEncoder
 from tests.harness import build_app, client_for, load_model
 
 TEXTS = [
@@ -29,9 +30,8 @@ TEXTS = [
 
 
 def rows_of(lengths: list[int]) -> list[tuple[Request, int]]:
-    rows = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in lengths]
-    loop = asyncio.new_event_loop()
-    request = Request(rows, loop.create_future(), loop)
+    rows = [{"input_ids": np.ones(n, dtype=np.int64)} for n in lengths]
+    request = Request(rows, lambda outcome: None)
     return [(request, i) for i in range(len(rows))]
 
 
@@ -49,12 +49,13 @@ def test_a_row_longer_than_the_token_budget_still_runs_alone():
     assert [len(batch) for batch in batches] == [1, 1]
 
 
-def test_split_then_collate_gives_back_the_padded_batch(tiny_models):
+def test_rows_collated_are_the_tokenizers_padded_batch(tiny_models):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_token_classification"])
     batch = tokenizer(TEXTS[:4], padding=True, return_offsets_mapping=True, return_tensors="pt")
-    again = collate(split_rows(batch), {"input_ids": tokenizer.pad_token_id})
+    rows = InputEncoder(tokenizer, 64, offsets=True).texts(TEXTS[:4])
+    again = collate(rows, {"input_ids": tokenizer.pad_token_id})
     assert set(again) == set(batch)
     for key in batch:
         assert torch.equal(again[key], batch[key]), key

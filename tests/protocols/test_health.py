@@ -65,19 +65,19 @@ async def test_ready_only_after_the_model_is_loaded(tiny_models):
         assert infer.status_code == 200, infer.text
 
 
-class ThreadRecordingTokenizer:
-    """Delegates to a tokenizer and records the threads it tokenizes on."""
+class ThreadRecordingInputs:
+    """Delegates to the backend's input encoder and records the threads it tokenizes on."""
 
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, inputs):
+        self._inputs = inputs
         self.threads: set[int] = set()
 
-    def __call__(self, *args, **kwargs):
+    def texts(self, *args, **kwargs):
         self.threads.add(threading.get_ident())
-        return self._tokenizer(*args, **kwargs)
+        return self._inputs.texts(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
+        return getattr(self._inputs, name)
 
 
 def long_texts(count: int, words: int = 100) -> list[str]:
@@ -95,8 +95,8 @@ async def test_inference_runs_off_the_event_loop(encoder, minilm_path, monkeypat
     model = encoder(minilm_path, name="minilm")
     backend = model.backend
     assert isinstance(backend.model, torch.nn.Module)
-    tokenizer = ThreadRecordingTokenizer(backend.tokenizer)
-    monkeypatch.setattr(backend, "tokenizer", tokenizer)
+    tokenizer = ThreadRecordingInputs(backend.inputs)
+    monkeypatch.setattr(backend, "inputs", tokenizer)
     forward_threads: set[int] = set()
     forward_started, forward_finished = threading.Event(), threading.Event()
 
@@ -135,7 +135,7 @@ async def test_inference_runs_off_the_event_loop(encoder, minilm_path, monkeypat
 
     assert response.status_code == 200, response.text
     assert len(response.json()["predictions"]) == len(texts)
-    assert tokenizer.threads, "the backend did not tokenize with backend.tokenizer"
+    assert tokenizer.threads, "the backend did not tokenize with backend.inputs"
     assert loop_thread not in tokenizer.threads, "tokenization ran on the event loop"
     assert forward_threads and loop_thread not in forward_threads, "forward ran on the event loop"
     assert answered_during_forward >= 3, (

@@ -1,0 +1,127 @@
+"""Backends of a front process: the model runs in the engine process, everything else here.
+
+The encoder checks and tokenizes here and sends token ids; the engine batches them with every
+other front's and sends the task's results back. The generator tokenizes prompts and makes the
+text here (incremental detokenization, stop strings) from the token ids the engine streams,
+and tells the engine when a stop string ended a choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from transformers import BatchEncoding
+
+from ..cli import ServerConfig
+from ..engine.client import EngineClient
+from ..errors import StartupError
+from ..generation.params import ChoiceDelta, SamplingParams
+from ..generation.sequence import ChoiceText
+from ..loading import ModelSource, load_tokenizer
+from .base import GenerationBackend
+from .encoding import Row
+from .tokenizing import TokenizingEncoder
+from .transformers_generation import check_generation_request
+
+ENGINE_LOST = "the engine process stopped"
+
+
+class EngineEncoder(TokenizingEncoder):
+    """An encoder task tokenized here and run by the engine."""
+
+    name = "huggingface"
+
+    def __init__(self, source: ModelSource, config: ServerConfig, client: EngineClient):
+        super().__init__(source, config)
+        self.client = client
+
+    async def connect(self) -> None:
+        await self.client.start()
+
+    def load_model(self) -> None:
+        self.client.wait_ready()
+
+    def preparing(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the engine batches what arrives; nothing here to wait for
+
+    def submit_rows(self, rows: list[Row], kind: str) -> Awaitable[list[Any]]:
+        return self.client.encode(rows, kind)
+
+    def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
+        raise NotImplementedError("the engine process runs the model")
+
+    async def watch(self) -> None:
+        await self.client.wait_lost()
+        raise StartupError(ENGINE_LOST)
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+class EngineGenerator(GenerationBackend):
+    """A generative model decoded by the engine; prompts and text are made here."""
+
+    name = "huggingface"
+
+    def __init__(self, source: ModelSource, config: ServerConfig, client: EngineClient):
+        self.source = source
+        self.config = config
+        self.client = client
+
+    async def connect(self) -> None:
+        await self.client.start()
+
+    def load(self) -> None:
+        self.tokenizer = load_tokenizer(self.source, self.config)
+        facts = self.client.wait_ready().facts
+        if facts is None:
+            raise StartupError("the engine serves no generative model")
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self.is_encoder_decoder = facts.is_encoder_decoder
+
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
+        check_generation_request(prompt_ids, params, adapter, self.max_model_len, self.vocab_size)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[list[ChoiceDelta]]:
+        """The engine's token deltas with their text; a choice that a stop string ended here
+        is stopped there too, and leaving early aborts the whole request."""
+        self.check_request(prompt_ids, params, adapter)
+        texts = [ChoiceText.for_params(self.tokenizer, params) for _ in range(params.n)]
+        running = set(range(params.n))
+        request_id, queue = self.client.generate(prompt_ids, params, adapter)
+        try:
+            while running and (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                out, stopped = [], []
+                for delta in item:
+                    if delta.index not in running:
+                        continue  # ended here by a stop string; the engine is told
+                    [token_id] = delta.token_ids
+                    text, reason = texts[delta.index].take(token_id, delta.finish_reason)
+                    out.append(ChoiceDelta(delta.index, text, [token_id], delta.logprobs, reason))
+                    if reason is not None:
+                        running.discard(delta.index)
+                        if delta.finish_reason is None:
+                            stopped.append(delta.index)
+                if stopped and running:
+                    self.client.abort(request_id, stopped)
+                if out:
+                    yield out
+        finally:
+            self.client.abort(request_id)  # a no-op when the engine has finished it
+
+    async def watch(self) -> None:
+        await self.client.wait_lost()
+        raise StartupError(ENGINE_LOST)
+
+    def shutdown(self) -> None:
+        self.client.close()

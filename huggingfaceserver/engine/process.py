@@ -1,0 +1,192 @@
+"""The engine process: owns the model and its batching, serves every front over one socket.
+
+Encoder rows from all fronts join the one encoder batcher; generation requests join the one
+decode loop (rows without text: the fronts make it). Results and token deltas go back to the
+front that asked, coalesced per event-loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..backends.base import EncoderBackend, GenerationBackend
+from ..backends.batching import Request as EncodeRequest
+from ..backends.continuous_batching import Request as GenerateRequest
+from ..backends.tokenizing import TokenizingEncoder
+from ..backends.transformers_generation import TransformersGenerator
+from ..errors import NotReady, ServerError
+from ..generation.params import ChoiceDelta
+from ..loading import freeze_loaded_heap
+from . import STOP_SIGNAL
+from .channel import Channel, new_socket
+from .messages import (
+    Abort,
+    Deltas,
+    Encode,
+    EngineState,
+    Finished,
+    Generate,
+    Hello,
+    Message,
+    ModelFacts,
+    Results,
+    failure,
+    unpack_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[bytes, int]
+"""A request in the engine: the front's identity and the front's id for it."""
+
+
+class Engine:
+    """Serves one loaded backend to the fronts that connect to ``address``."""
+
+    def __init__(self, backend: EncoderBackend | GenerationBackend, address: str):
+        self.backend = backend
+        self.address = address
+        self.loaded = False
+        self.fronts: dict[bytes, int] = {}
+        self.live: dict[Key, EncodeRequest | GenerateRequest] = {}
+        self.handlers: dict[type, Callable[[bytes, Any], None]] = {
+            Hello: self.hello,
+            Encode: self.encode,
+            Generate: self.generate,
+            Abort: self.abort,
+        }
+
+    async def run(self) -> None:
+        """Serve until :data:`STOP_SIGNAL`; a model that cannot load raises
+        :class:`StartupError`."""
+        loop = asyncio.get_running_loop()
+        context = zmq.asyncio.Context()
+        socket = new_socket(context, zmq.ROUTER)
+        socket.bind(self.address)
+        self.channel = Channel(socket, self.receive, loop)
+        stopped = asyncio.Event()
+        loop.add_signal_handler(STOP_SIGNAL, stopped.set)
+        receiving = asyncio.create_task(self.channel.run())
+        loading = asyncio.create_task(self.load())
+        try:
+            done, _ = await asyncio.wait(
+                {loading, asyncio.create_task(stopped.wait())}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if loading in done:
+                loading.result()  # raises StartupError when the model cannot load
+                await stopped.wait()
+            logger.info("engine stopping")
+        finally:
+            self.backend.shutdown()
+            receiving.cancel()
+            socket.close(linger=0)
+            context.term()
+
+    async def load(self) -> None:
+        await asyncio.to_thread(self.backend.load)
+        freeze_loaded_heap()
+        self.loaded = True
+        logger.info("engine: model loaded; %d front(s) connected", len(self.fronts))
+        self.broadcast()
+
+    def state(self) -> EngineState:
+        facts = None
+        if self.loaded and isinstance(self.backend, GenerationBackend):
+            backend = self.backend
+            facts = ModelFacts(
+                backend.max_model_len,
+                int(getattr(backend, "vocab_size", 0)),
+                backend.is_encoder_decoder,
+            )
+        return EngineState(self.loaded, len(self.fronts), facts)
+
+    def broadcast(self) -> None:
+        state = self.state()
+        for peer in self.fronts:
+            self.channel.send(state, peer)
+
+    def receive(self, peer: bytes | None, message: Message) -> None:
+        handler = self.handlers.get(type(message))
+        if handler is None or peer is None:
+            logger.error("unexpected message from a front: %s", type(message).__name__)
+            return
+        handler(peer, message)
+
+    def hello(self, peer: bytes, message: Hello) -> None:
+        self.fronts[peer] = message.front
+        logger.info("engine: front %d connected", message.front)
+        self.broadcast()
+
+    def encode(self, peer: bytes, message: Encode) -> None:
+        backend = self.backend
+        if not self.loaded or not isinstance(backend, TokenizingEncoder):
+            self.channel.send(failure(message.id, NotReady("the model is not loaded")), peer)
+            return
+        key = (peer, message.id)
+
+        def settle(outcome: list[Any] | BaseException) -> None:
+            if self.live.pop(key, None) is None:
+                return  # aborted
+            if isinstance(outcome, BaseException):
+                self.channel.send(failure(message.id, outcome), peer)
+            else:
+                self.channel.send(Results(message.id, outcome), peer)
+
+        request = EncodeRequest(unpack_rows(message), settle, message.kind)
+        self.live[key] = request
+        backend.batcher.submit(request)
+
+    def generate(self, peer: bytes, message: Generate) -> None:
+        backend = self.backend
+        key = (peer, message.id)
+        try:
+            if not self.loaded or not isinstance(backend, TransformersGenerator):
+                raise NotReady("the model is not loaded")
+            backend.check_request(message.prompt_ids, message.params, message.adapter)
+            rows = backend.new_sequences(message.prompt_ids, message.params, with_text=False)
+        except ServerError as exc:
+            self.channel.send(failure(message.id, exc), peer)
+            return
+
+        def emit(item: list[ChoiceDelta] | BaseException | None) -> None:
+            if item is None or isinstance(item, BaseException):
+                if self.live.pop(key, None) is None:
+                    return  # aborted
+                ending = Finished(message.id) if item is None else failure(message.id, item)
+                self.channel.send(ending, peer)
+            elif key in self.live:
+                self.channel.send(Deltas(message.id, item), peer)
+
+        request = GenerateRequest(rows, emit)
+        self.live[key] = request
+        try:
+            backend.batcher.submit(request)
+        except NotReady as exc:
+            emit(exc)
+
+    def abort(self, peer: bytes, message: Abort) -> None:
+        key = (peer, message.id)
+        request = self.live.get(key)
+        if isinstance(request, GenerateRequest) and message.choices is not None:
+            for index in message.choices:
+                request.rows[index].aborted = True
+            return
+        self.live.pop(key, None)
+        if isinstance(request, GenerateRequest):
+            request.cancelled.set()
+        elif request is not None:
+            request.cancelled = True
+
+
+def serve_engine(backend: EncoderBackend | GenerationBackend, address: str) -> None:
+    """Run the engine in this process until :data:`STOP_SIGNAL` (see :class:`Engine`)."""
+    for ignored in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(ignored, signal.SIG_IGN)
+    asyncio.run(Engine(backend, address).run())
