@@ -2,37 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
-
-LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(message)s"
-
-
-# KServe's handlers for these client-side answers (4xx, 503 while loading) log a full
-# traceback each time: with readiness probes every few seconds that buries the real log.
-QUIET_KSERVE_HANDLERS = frozenset(
-    {
-        "invalid_input_handler",
-        "model_not_found_handler",
-        "model_not_ready_handler",
-        "server_not_ready_handler",
-    }
-)
-
-
-def quiet_client_errors(record: logging.LogRecord) -> bool:
-    return record.funcName not in QUIET_KSERVE_HANDLERS
-
-
-def configure_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
-    package_logger = logging.getLogger("huggingfaceserver")
-    package_logger.handlers[:] = [handler]
-    package_logger.setLevel(logging.INFO)
-    package_logger.propagate = False
-    logging.getLogger("kserve").addFilter(quiet_client_errors)
 
 
 def stop_resource_tracker() -> None:
@@ -51,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .backends import installed_engine_flag_names
     from .cli import parse_args
     from .errors import StartupError
+    from .logs import configure_logging, flush_logs
 
     config = parse_args(
         sys.argv[1:] if argv is None else argv, more_engine_flag_names=installed_engine_flag_names
@@ -62,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve(config)
     except StartupError as exc:
         stop_resource_tracker()
+        flush_logs()
         print(f"huggingfaceserver: error: {exc}", file=sys.stderr)
         return 1
     return 0

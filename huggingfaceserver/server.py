@@ -38,6 +38,7 @@ from .errors import (
 from .layout import choose_layout
 from .listeners import http_socket, start_servers
 from .loading import ModelSource, device, load_source, read_chat_template
+from .logs import batch_access_log
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 from .protocols.openai.models import ServedModels
 from .protocols.openai.routes import mount_openai, route_prefix
@@ -246,6 +247,7 @@ def serve_model(model: BackendModel, config: ServerConfig, shared_port: bool = F
     process (``shared_port``: its HTTP port is shared with the other fronts)."""
     sync_kserve_args(config.server)
     server = _model_server(config)
+    batch_access_log()  # KServe has configured logging by now
     server.register_model(model)
     for adapter in adapter_names(model):
         server.register_model(model, name=adapter)

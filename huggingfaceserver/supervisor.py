@@ -170,7 +170,7 @@ def exit_with_parent() -> None:
 
 
 def _child_setup() -> None:
-    from .__main__ import configure_logging
+    from .logs import configure_logging
 
     configure_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent leads

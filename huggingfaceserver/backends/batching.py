@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import BatchEncoding
 
-from ..loop_calls import LoopCalls
+from ..loop_calls import LoopCalls, deferred
 from .encoding import Row
 
 RunBatch = Callable[[BatchEncoding, list[str]], list[Any]]
@@ -185,7 +185,8 @@ class EncoderBatcher:
             requests = self._gather()
             pending = [(request, i) for request in requests for i in range(len(request.rows))]
             for batch in plan_batches(pending, self.limits):
-                self._run(batch)
+                with deferred():  # the event loops are woken once per batch
+                    self._run(batch)
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         try:

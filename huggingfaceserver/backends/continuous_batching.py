@@ -22,6 +22,7 @@ import torch
 from ..errors import NotReady
 from ..generation.params import ChoiceDelta
 from ..generation.sequence import SequenceState, advance
+from ..loop_calls import deferred
 from .decode_batch import DecodeBatch
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class ContinuousBatcher:
                 if self.closed:
                     break
                 admitted = self._admit()
-            with torch.inference_mode():
+            with torch.inference_mode(), deferred():  # loops woken once per step
                 for request in admitted:
                     self._start(request)
                 for group in list(self.running):

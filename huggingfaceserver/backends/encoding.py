@@ -17,6 +17,9 @@ from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+FEW_INPUTS = 4
+"""Up to this many inputs are encoded one by one, more in one parallel batch."""
+
 Row = dict[str, np.ndarray]
 """One instance's model inputs (``input_ids``, ``token_type_ids``, ``offset_mapping``...),
 unpadded; the attention mask is made when rows are merged."""
@@ -77,10 +80,21 @@ class InputEncoder:
         return rows
 
     def _encode(self, inputs: list[Any], add_special_tokens: bool) -> list[Row]:
-        if self.rust is not None:
+        if self.rust is None:
+            return self._slow(inputs, add_special_tokens)
+        if len(inputs) <= FEW_INPUTS:
+            # one by one: encode keeps the GIL, encode_batch releases it (to encode in
+            # parallel) and must then wait to get it back from busy threads
+            encodings = [self._encode_one(item, add_special_tokens) for item in inputs]
+        else:
             encodings = self.rust.encode_batch(inputs, add_special_tokens=add_special_tokens)
-            return [self._row(encoding) for encoding in encodings]
-        return self._slow(inputs, add_special_tokens)
+        return [self._row(encoding) for encoding in encodings]
+
+    def _encode_one(self, item: str | tuple[str, str], add_special_tokens: bool) -> Encoding:
+        assert self.rust is not None
+        if isinstance(item, tuple):
+            return self.rust.encode(item[0], item[1], add_special_tokens=add_special_tokens)
+        return self.rust.encode(item, add_special_tokens=add_special_tokens)
 
     def _row(self, encoding: Encoding) -> Row:
         row = {"input_ids": np.array(encoding.ids, dtype=np.int64)}

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -14,6 +18,39 @@ from ..loading import ModelSource, device, load_pretrained, resolve_dtype
 from .tokenizing import TokenizingEncoder
 
 logger = logging.getLogger(__name__)
+
+CALIBRATION_SHAPE = (8, 32)
+"""Rows and tokens of the batch that times the forward pass at load."""
+MIN_THREAD_SPEEDUP = 1.3
+"""On CPU, torch's intra-op threads are kept only if they make that forward this much faster."""
+
+
+def median_seconds(run: Callable[[], object], repeats: int = 3) -> float:
+    run()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate_cpu_threads(forward: Callable[[], object]) -> str:
+    """Keep torch's intra-op threads only where they pay: for a small model they barely speed a
+    forward up while their OpenMP workers spin between operations, a core busy for nothing
+    that the HTTP side needs. Leaves the setting alone when ``OMP_NUM_THREADS`` is set or there
+    is one core. Returns what was decided, for the log."""
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or threads < 2:
+        return f"{threads} (OMP_NUM_THREADS or one core)"
+    many = median_seconds(forward)
+    torch.set_num_threads(1)
+    one = median_seconds(forward)
+    timing = f"{one * 1000:.1f} ms on 1 thread, {many * 1000:.1f} ms on {threads}"
+    if one >= MIN_THREAD_SPEEDUP * many:
+        torch.set_num_threads(threads)
+        return f"{threads} ({timing})"
+    return f"1 ({timing}: more threads would spin for little)"
 
 
 class TransformersEncoder(TokenizingEncoder):
@@ -38,6 +75,18 @@ class TransformersEncoder(TokenizingEncoder):
             self.device,
             self.max_length,
         )
+        if self.device.type == "cpu":
+            threads = calibrate_cpu_threads(lambda: self.forward(self.calibration_batch()))
+            logger.info("intra-op threads: %s", threads)
+
+    def calibration_batch(self) -> BatchEncoding:
+        rows, tokens = CALIBRATION_SHAPE
+        tokens = min(tokens, self.max_length)
+        ids = torch.randint(0, len(self.tokenizer), (rows, tokens), generator=torch.Generator())
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.inputs.token_type_ids:
+            batch["token_type_ids"] = torch.zeros_like(ids)
+        return BatchEncoding(batch)
 
     def forward(self, batch: BatchEncoding) -> torch.Tensor:
         """The model's raw output for the task: logits, or the last hidden state."""

@@ -27,6 +27,7 @@ from ..errors import BadRequest, StartupError
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import ChoiceText, SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
+from ..loop_calls import LoopCalls
 from ..tasks import Task
 from .base import GenerationBackend
 from .continuous_batching import ContinuousBatcher, Request
@@ -210,15 +211,16 @@ class TransformersGenerator(GenerationBackend):
         self.check_request(prompt_ids, params, adapter)
         rows = self.new_sequences(prompt_ids, params)
         loop = asyncio.get_running_loop()
+        calls = LoopCalls.of(loop)
         queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()
 
         def emit(item: list[ChoiceDelta] | BaseException | None) -> None:
             if request.cancelled.is_set():
                 return
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the event loop is gone
+            if loop.is_closed():  # nobody will read it
                 request.cancelled.set()
+                return
+            calls.call(queue.put_nowait, item)
 
         request = Request(rows, emit)
         self.batcher.submit(request)

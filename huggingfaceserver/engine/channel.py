@@ -11,12 +11,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from contextlib import suppress
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from ..loop_calls import LoopCalls
 from .messages import Failed, Message, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -48,16 +48,17 @@ class Channel:
         self.lock = threading.Lock()
         self.pending: list[tuple[bytes | None, Message]] = []
         self.scheduled = False
+        self.calls = LoopCalls.of(loop)
 
     def send(self, message: Message, peer: bytes | None = None) -> None:
-        """Queue ``message`` (from any thread); it leaves in the loop's next turn."""
+        """Queue ``message`` (from any thread); it leaves in the loop's next turn (after the
+        end of a :func:`~..loop_calls.deferred` block)."""
         with self.lock:
             self.pending.append((peer, message))
             if self.scheduled:
                 return
             self.scheduled = True
-        with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self._flush)
+        self.calls.call(self._flush)
 
     def _flush(self) -> None:
         with self.lock:

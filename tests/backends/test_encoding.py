@@ -1,0 +1,102 @@
+"""Encoder inputs to rows: the same token ids, types and offsets as ``tokenizer(...)``, for
+every tokenizer the tests build, through the Rust fast path and through transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder
+
+TEXTS = [
+    "john lives in new york",
+    "The Capital of FRANCE is Paris, isn't it?",
+    "ünïcödé 日本語 and an emoji 🙂",
+    "  spaces   around  ",
+    "a very long text " * 40,
+]
+MAX_LENGTH = 24
+TOKENIZERS = [
+    "bert_token_classification",
+    "distilbert_sequence_classification",
+    "gpt2",
+    "llama",
+    "t5",
+]
+
+
+def expected(tokenizer, *args, **kwargs) -> dict:
+    return tokenizer(*args, truncation=True, max_length=MAX_LENGTH, **kwargs)
+
+
+def check_rows(rows, reference, keys):
+    assert len(rows) == len(reference["input_ids"])
+    for row, index in zip(rows, range(len(rows)), strict=True):
+        for key in keys:
+            want = np.array(reference[key][index], dtype=np.int64)
+            assert row[key].dtype == np.int64
+            np.testing.assert_array_equal(row[key].reshape(want.shape), want, err_msg=key)
+
+
+@pytest.fixture(params=TOKENIZERS)
+def tokenizer(request, tiny_models):
+    return AutoTokenizer.from_pretrained(tiny_models[request.param])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["rust", "transformers"])
+@pytest.mark.parametrize("count", [1, FEW_INPUTS + 1], ids=["one-by-one", "batched"])
+def test_texts_are_tokenized_as_the_tokenizer_does(tokenizer, fast, count):
+    encoder = InputEncoder(tokenizer, MAX_LENGTH, offsets=True)
+    if not fast:
+        encoder.rust = None
+    assert (encoder.rust is not None) == fast
+    texts = (TEXTS * 2)[:count]
+    reference = expected(tokenizer, texts, return_offsets_mapping=True)
+    keys = ["input_ids", "offset_mapping"]
+    if "token_type_ids" in tokenizer.model_input_names:
+        keys.append("token_type_ids")
+    check_rows(encoder.texts(texts), reference, keys)
+
+
+def test_without_special_tokens(tiny_models):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_token_classification"])
+    rows = InputEncoder(tokenizer, MAX_LENGTH, add_special_tokens=False).texts(TEXTS[:2])
+    check_rows(rows, expected(tokenizer, TEXTS[:2], add_special_tokens=False), ["input_ids"])
+
+
+@pytest.mark.parametrize("count", [2, FEW_INPUTS + 2])
+def test_pairs_are_the_cross_encoder_inputs(tiny_models, count):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_sequence_classification"])
+    documents = (TEXTS * 2)[:count]
+    reference = expected(tokenizer, ["the query"] * count, documents)
+    rows = InputEncoder(tokenizer, MAX_LENGTH).pairs("the query", documents)
+    check_rows(rows, reference, ["input_ids", "token_type_ids"])
+
+
+def test_forced_token_type_ids_for_a_tokenizer_without_them(tiny_models):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["distilbert_sequence_classification"])
+    assert "token_type_ids" not in tokenizer.model_input_names
+    assert "token_type_ids" not in InputEncoder(tokenizer, MAX_LENGTH).texts(["a"])[0]
+    forced = InputEncoder(tokenizer, MAX_LENGTH, token_type_ids=True).texts(TEXTS[:2])
+    reference = expected(tokenizer, TEXTS[:2], return_token_type_ids=True)
+    check_rows(forced, reference, ["input_ids", "token_type_ids"])
+
+
+def test_token_ids_are_used_as_they_are_with_the_same_columns(tiny_models):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_token_classification"])
+    encoder = InputEncoder(tokenizer, MAX_LENGTH, offsets=True)
+    [row] = encoder.token_ids([[5, 6, 7]])
+    assert set(row) == set(encoder.texts(["a"])[0])
+    np.testing.assert_array_equal(row["input_ids"], [5, 6, 7])
+    np.testing.assert_array_equal(row["token_type_ids"], [0, 0, 0])
+    assert row["offset_mapping"].shape == (3, 2)
+
+
+def test_the_real_minilm_tokenizer(minilm_path):
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    encoder = InputEncoder(tokenizer, 512)
+    assert encoder.rust is not None
+    rows = encoder.texts(TEXTS)
+    reference = tokenizer(TEXTS, truncation=True, max_length=512)
+    check_rows(rows, reference, ["input_ids", "token_type_ids"])
