@@ -111,6 +111,7 @@ def locate(config: ServerConfig) -> tuple[ModelSource, BackendChoice]:
         )
     source = load_source(config)
     choice = choose_backend(config.backend, source.task, source.config.architectures or [])
+    logger.info("backend %s: %s", choice.name, choice.reason)
     return source, choice
 
 
@@ -144,7 +145,6 @@ def serve(config: ServerConfig) -> None:
     """Serve until stopped, in one process or as an engine behind front processes.
     Startup problems raise :class:`StartupError`."""
     source, choice = locate(config)
-    logger.info("backend %s: %s", choice.name, choice.reason)
     layout = choose_layout(
         config.api_workers,
         choice.name,

@@ -15,7 +15,11 @@ from typing import Any
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+try:  # the class of transformers 5's plain fast tokenizers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+except ImportError:  # pragma: no cover - a transformers release without it: no fast path
+    TokenizersBackend = None  # type: ignore[assignment,misc]
 
 FEW_INPUTS = 4
 """Up to this many inputs are encoded one by one, more in one parallel batch."""
@@ -29,7 +33,7 @@ def rust_tokenizer(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Token
     """A private copy of the Rust tokenizer, set up as transformers sets it for
     ``tokenizer(..., truncation=True, max_length=max_length)``; None when transformers does
     more than that for this tokenizer (a slow tokenizer, or one that overrides encoding)."""
-    if not getattr(tokenizer, "is_fast", False):
+    if TokenizersBackend is None or not getattr(tokenizer, "is_fast", False):
         return None
     if type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus:
         return None
