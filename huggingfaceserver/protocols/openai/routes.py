@@ -24,7 +24,7 @@ from .encoder_requests import EmbeddingRequest, RerankRequest
 from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
-from .responses import to_json_dict
+from .responses import JSONBody, to_json
 from .serving_chat import create_chat_completion, create_completion
 from .serving_encoders import create_embeddings, create_rerank
 
@@ -63,8 +63,8 @@ async def parse(request: Request, model: type[R]) -> R:
     return model.model_validate_json(await request.body())
 
 
-def json(response: BaseModel) -> JSONResponse:
-    return JSONResponse(to_json_dict(response))
+def json(response: BaseModel) -> Response:
+    return JSONBody(to_json(response))
 
 
 def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
@@ -20,6 +20,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import (
+    JSONBody,
     chat_choice,
     chat_chunk,
     chat_response,
@@ -31,7 +32,7 @@ from .responses import (
     completion_usage,
     new_id,
     now,
-    to_json_dict,
+    to_json,
 )
 from .serving_generation import (
     SSE_DONE,
@@ -85,14 +86,14 @@ class Exchange:
 
     def respond(
         self, build: Callable[..., BaseModel], choices: list[Any], states: list[ChoiceState]
-    ) -> JSONResponse:
+    ) -> Response:
         """The whole (non-streamed) response, with usage counted from the choices' states."""
         completion_tokens = sum(s.tokens for s in states)
         response = build(
             self.request_id, self.model, choices, self.prompt_tokens, completion_tokens,
             self.created,
         )  # fmt: skip
-        return JSONResponse(to_json_dict(response))
+        return JSONBody(to_json(response))
 
     def job_of(self, index: int) -> Job:
         n = self.jobs[0].params.n
@@ -165,10 +166,10 @@ async def framed(
             completion_tokens += len(delta.token_ids)
             choice = choice_for(index, delta)
             if choice is not None:
-                yield sse(to_json_dict(chunk(*ids, choice, include_usage=exchange.include_usage)))
+                yield sse(chunk(*ids, choice, include_usage=exchange.include_usage))
         if exchange.include_usage:
             usage = completion_usage(exchange.prompt_tokens, completion_tokens)
-            yield sse(to_json_dict(chunk(*ids, usage=usage)))
+            yield sse(chunk(*ids, usage=usage))
     except ServerError as exc:
         yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
     except Exception:  # the stream has started: report it in-band, never cut the connection

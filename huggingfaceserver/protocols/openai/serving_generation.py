@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
@@ -24,6 +25,7 @@ from .errors import context_length_error
 from .logprobs import TokenLogprobText
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
+from .responses import to_json
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
@@ -215,8 +217,10 @@ def logprob_texts(
     ]
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One Server-Sent Event of JSON data."""
+    text = to_json(payload) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
