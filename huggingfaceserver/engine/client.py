@@ -126,11 +126,12 @@ class EngineClient:
             self.channel.send(Abort(request_id, choices))
 
     def close(self) -> None:
+        """Stop receiving and close the sockets (the monitor's too: ``term`` would wait for
+        it forever)."""
         for task in self._tasks:
             task.cancel()
-        if hasattr(self, "socket"):
-            self.socket.close(linger=0)
-            self.context.term()
+        if hasattr(self, "context"):
+            self.context.destroy(linger=0)
 
     def _check_alive(self) -> None:
         if self.lost:

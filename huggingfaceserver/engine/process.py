@@ -86,8 +86,7 @@ class Engine:
         finally:
             self.backend.shutdown()
             receiving.cancel()
-            socket.close(linger=0)
-            context.term()
+            context.destroy(linger=0)
 
     async def load(self) -> None:
         await asyncio.to_thread(self.backend.load)
