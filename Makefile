@@ -18,7 +18,7 @@ VLLM_STAMP := $(VENV)/.vllm-$(VLLM_VERSION)
 LLM_DIR ?= .cache/tiny-llama
 BACKEND ?= huggingface
 
-.PHONY: install install-vllm run run-llm test test-vllm lint format clean bench
+.PHONY: install install-vllm run run-llm test test-vllm lint format clean bench gpu-wheels
 
 install: $(STAMP)
 
@@ -67,11 +67,26 @@ test: install install-vllm
 test-vllm: install install-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
 
-# Throughput of the server against plain transformers on the same models; writes BENCHMARKS.md
-# (about 10 minutes on 2 cores). A smoke run: make bench BENCH_ARGS=--quick
+# Throughput of the server against plain transformers on the same models, host overhead (with
+# the baseline commit), and vLLM's own server when vLLM is installed; writes BENCHMARKS.md
+# (about 17 minutes on 2 cores). A smoke run: make bench BENCH_ARGS=--quick
+# On the GPU machine (python3 with torch, no registry; .gpu/ from `make gpu-wheels` carried
+# along): make bench DEVICE=cuda BENCH_ARGS="--only encoder" (writes under $OUT, see
+# bench/gpu_run.sh)
 BENCH_ARGS ?=
-bench: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m bench $(BENCH_ARGS)
+DEVICE ?= cpu
+bench: $(if $(filter cuda,$(DEVICE)),,install)
+ifeq ($(DEVICE),cuda)
+	bash bench/gpu_run.sh $(BENCH_ARGS)
+else
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench --device $(DEVICE) $(BENCH_ARGS)
+endif
+
+# Python 3.12 wheels of what the GPU machine lacks (the server's dependency closure less torch,
+# transformers, tokenizers, safetensors, huggingface_hub, numpy) into .gpu/whl, and MiniLM's
+# tokenizer files into .gpu/minilm-tokenizer (git ignores .gpu/ through .git/info/exclude)
+gpu-wheels: install
+	$(BIN)/python -m bench.gpu_wheels --dest .gpu
 
 lint: install
 	$(BIN)/ruff check huggingfaceserver tests

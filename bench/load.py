@@ -41,6 +41,8 @@ class LoadResult:
     """CPU seconds the server used during the run."""
     client_cpu_s: float = float("nan")
     """CPU seconds this process (the load generator) used during the run."""
+    other_server_cpu_s: float = float("nan")
+    """CPU seconds of another server that was up but not loaded (should be about 0)."""
 
     @property
     def ok(self) -> list[Sample]:

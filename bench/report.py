@@ -66,38 +66,62 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def header(env: Environment, command: str, settings: Settings, runtime_s: float) -> list[str]:
+def _machine(env: Environment, settings: Settings) -> str:
+    machine = f"{env.cpu}, {env.cores} cores, {env.memory_gib:.1f} GiB RAM"
+    if env.gpu:
+        return f"{machine}, {env.gpu}; each figure is the median of {settings.repeats} repeat(s)"
+    return (
+        f"{machine}, no GPU; shared with other work, so figures are noisy: each is the median "
+        f"of {settings.repeats} repeat(s), with [min–max] for the rates"
+    )
+
+
+CLASSIC_METHOD = (
+    "Method (the classic workloads). The raw rows are plain transformers in the benchmark process "
+    "with no server running: tokenizer + forward (+ pooling or argmax) under "
+    "`torch.inference_mode`, padded per batch, or `model.generate` (greedy, left-padded). The "
+    "server is started as a user starts it (`python -m huggingfaceserver --model_dir DIR "
+    "--model_name NAME ...`, default flags, request logging on) and loaded in a closed loop: C "
+    "workers, each sending its next request when the last one answered (aiohttp, in the "
+    "benchmark process, on the same cores as the server), one text per request, "
+    "{duration:.0f} s per encoder run after {warmup:.0f} s of warm-up, {rounds} request(s) per "
+    "worker (at least {minimum} per run) for generation. Meanwhile a separate process probes "
+    "`GET /v2/health/live` every 100 ms on a new connection (as a kubelet does). Peak RSS is "
+    "VmHWM of the server process (and children) since its start. Batching off is "
+    "`--max_batch_size 1`."
+)
+
+
+def header(
+    env: Environment, command: str, settings: Settings, runtime_s: float, classic: bool = True
+) -> list[str]:
+    """Date, machine, software, command; the classic workloads' method when they ran."""
     versions = ", ".join(f"{name} {v}" for name, v in env.packages.items())
-    return [
+    lines = [
         "# Benchmarks",
         "",
         f"- Date: {env.date}; whole run {runtime_s / 60:.1f} min.",
-        f"- Machine: {env.cpu}, {env.cores} cores, {env.memory_gib:.1f} GiB RAM, no GPU; "
-        "shared with other work, so figures are noisy: each is the median of "
-        f"{settings.repeats} repeat(s), with [min–max] for the rates.",
+        f"- Machine: {_machine(env, settings)}.",
         f"- Software: Python {env.python}, {versions}; torch threads {env.torch_threads} "
         f"(defaults, raw and server alike); git {env.git}.",
         f"- Command: `{command}`.",
         "",
-        "Method. The raw rows are plain transformers in the benchmark process with no server "
-        "running: tokenizer + forward (+ pooling or argmax) under `torch.inference_mode`, "
-        "padded per batch, or `model.generate` (greedy, left-padded). The server is started as "
-        "a user starts it (`python -m huggingfaceserver --model_dir DIR --model_name NAME ...`, "
-        "default flags, request logging on) and loaded in a closed loop: C workers, each "
-        "sending its next request when the last one answered (aiohttp, in the benchmark "
-        "process, on the same cores as the server), one text per request, "
-        f"{settings.duration_s:.0f} s per encoder run after {settings.warmup_s:.0f} s of "
-        f"warm-up, {settings.generation_rounds} request(s) per worker (at least "
-        f"{settings.generation_min_requests} per run) for generation. Meanwhile a separate "
-        "process probes `GET /v2/health/live` every 100 ms on a new connection (as a kubelet "
-        "does). Peak RSS is VmHWM of the server process (and children) since its start. "
-        "Batching off is `--max_batch_size 1`.",
-        "",
     ]
+    if classic:
+        method = CLASSIC_METHOD.format(
+            duration=settings.duration_s,
+            warmup=settings.warmup_s,
+            rounds=settings.generation_rounds,
+            minimum=settings.generation_min_requests,
+        )
+        lines += [method, ""]
+    return lines
 
 
 def targets_section(targets: Sequence[Target]) -> list[str]:
     lines = ["## Targets", ""]
+    if not targets:
+        lines.append("None for these workloads: their figures are reported as ratios.")
     for target in targets:
         lines.append(f"- **{'PASS' if target.passed else 'FAIL'}** {target.name}: {target.detail}")
     return lines + [""]
@@ -195,15 +219,20 @@ def workload_section(result: WorkloadResult) -> list[str]:
 
 
 def render(
-    results: Sequence[WorkloadResult],
+    sections: Sequence[Sequence[str]],
     targets: Sequence[Target],
     env: Environment,
     command: str,
     settings: Settings,
     runtime_s: float,
+    classic: bool = True,
+    skipped: Sequence[str] = (),
 ) -> str:
-    """The whole markdown document."""
-    lines = header(env, command, settings, runtime_s) + targets_section(targets)
-    for result in results:
-        lines += workload_section(result)
+    """The whole markdown document: header, targets, one section per workload, what was
+    skipped."""
+    lines = header(env, command, settings, runtime_s, classic) + targets_section(targets)
+    for section in sections:
+        lines += section
+    if skipped:
+        lines += ["## Skipped", "", *(f"- {note}" for note in skipped), ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -121,10 +121,15 @@ async def _stream(
 
 
 def openai_completion_stream(
-    base_url: str, model: str, prompts: Sequence[str], max_tokens: int
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    path: str = "/openai/v1/completions",
 ) -> Call:
-    """A streamed ``POST /openai/v1/completions``: latency, time to first text and tokens."""
-    url = f"{base_url}/openai/v1/completions"
+    """A streamed completion (``POST /openai/v1/completions``, or ``path``: vLLM's own server
+    has it at ``/v1/completions``): latency, time to first text and tokens."""
+    url = f"{base_url}{path}"
 
     async def call(session: aiohttp.ClientSession, index: int) -> Sample:
         body = completion_body(model, prompts[index % len(prompts)], max_tokens)

@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ class Server:
     http_port: int
     log_path: Path
     started_at: float
+    ready_path: str = "/v2/health/ready"
     ready_s: float = float("nan")
     """Seconds from the start of the process to the first ready answer."""
 
@@ -46,7 +47,7 @@ class Server:
 
 
 def wait_ready(server: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Poll ``/v2/health/ready`` until 200, with a deadline; fail if the process exits."""
+    """Poll the readiness route until 200, with a deadline; fail if the process exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -54,7 +55,7 @@ def wait_ready(server: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
                 f"server exited with {server.process.returncode}:\n{server.log_tail()}"
             )
         try:
-            if httpx.get(server.url + "/v2/health/ready", timeout=2).status_code == 200:
+            if httpx.get(server.url + server.ready_path, timeout=2).status_code == 200:
                 server.ready_s = time.monotonic() - server.started_at
                 return
         except httpx.HTTPError:
@@ -63,39 +64,82 @@ def wait_ready(server: Server, timeout_s: float = READY_TIMEOUT_S) -> None:
     raise TimeoutError(f"server not ready after {timeout_s}s:\n{server.log_tail()}")
 
 
-def start(args: Sequence[str], log_path: Path) -> Server:
-    """``python -m huggingfaceserver ARGS --http_port P --grpc_port Q`` on free ports."""
-    http_port, grpc_port = free_port(), free_port()
-    command = [sys.executable, "-m", "huggingfaceserver", *args]
-    command += ["--http_port", str(http_port), "--grpc_port", str(grpc_port)]
+def launch(
+    command: Sequence[str],
+    http_port: int,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    ready_path: str = "/v2/health/ready",
+) -> Server:
+    """Start ``command`` (which listens on ``http_port``), its output to ``log_path``, with
+    ``env`` added to this environment and ``HF_HUB_OFFLINE=1``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started_at = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command,
+            list(command),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            cwd=cwd,
         )
-    return Server(process, http_port, log_path, started_at)
+    return Server(process, http_port, log_path, started_at, ready_path)
+
+
+def start(
+    args: Sequence[str],
+    log_path: Path,
+    source_tree: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Server:
+    """``python -m huggingfaceserver ARGS --http_port P --grpc_port Q`` on free ports.
+
+    ``source_tree``: the package is imported from that folder (an older commit's, with this
+    interpreter and its packages) instead of the installed one: the process runs there with
+    the folder first on ``PYTHONPATH``.
+    """
+    http_port, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "huggingfaceserver", *args]
+    command += ["--http_port", str(http_port), "--grpc_port", str(grpc_port)]
+    env = dict(env or {})
+    if source_tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(source_tree), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return launch(command, http_port, log_path, env, cwd=source_tree)
 
 
 def stop(server: Server) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after :data:`STOP_TIMEOUT_S`."""
+    """SIGTERM, then SIGKILL (to its descendants too) if it has not exited after
+    :data:`STOP_TIMEOUT_S`."""
     if server.process.poll() is not None:
         return
     server.process.send_signal(signal.SIGTERM)
     try:
         server.process.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        server.process.kill()
+        for pid in reversed(_family(server.process.pid)):
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         server.process.wait()
 
 
 @contextmanager
-def serving(args: Sequence[str], log_path: Path) -> Iterator[Server]:
+def serving(
+    args: Sequence[str],
+    log_path: Path,
+    source_tree: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Server]:
     """A ready server for the ``with`` block, stopped after it."""
-    server = start(args, log_path)
+    with ready(start(args, log_path, source_tree, env)) as server:
+        yield server
+
+
+@contextmanager
+def ready(server: Server) -> Iterator[Server]:
+    """``server`` once ready, for the ``with`` block, stopped after it (also if it never was)."""
     try:
         wait_ready(server)
         yield server
@@ -132,6 +176,11 @@ def _family(pid: int) -> list[int]:
         found.append(current)
         pending += _children(current)
     return found
+
+
+def family_size(pid: int) -> int:
+    """How many processes ``pid`` and its descendants are."""
+    return len(_family(pid))
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -189,7 +189,7 @@ def engine_main(config: ServerConfig, wiring: Wiring) -> None:
     from .server import engine_local_backend
 
     try:
-        serve_engine(engine_local_backend(config), wiring.address)
+        serve_engine(engine_local_backend(config), wiring.address, wiring.fronts)
     except StartupError as exc:
         _report(wiring, "engine", exc)
         raise SystemExit(1) from None

@@ -1,4 +1,5 @@
-"""Session fixtures: tiny models built once, the real MiniLM, and loaded encoder models."""
+"""Session fixtures: tiny models built once, the real MiniLM, and loaded encoder models; the
+process layouts that end-to-end servers run in."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def encoder() -> Callable[..., EncoderModel]:
         return cache[key]
 
     return get
+
+
+LAYOUTS = {"one-process": "1", "two-fronts": "2"}
+"""``--api_workers`` per process layout: the whole server in one process, or one engine process
+behind two front processes."""
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> list[str]:
+    """The ``--api_workers`` flags of one layout. A module-scoped server fixture that adds them
+    to its command line starts once per layout, and every test that uses it runs in both."""
+    return ["--api_workers", request.param]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,23 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_log(
+        self, pattern: str | re.Pattern[str], since: int = 0, timeout: float = 60.0
+    ) -> re.Match[str]:
+        """The first match of ``pattern`` in the log after offset ``since`` (a length of
+        :meth:`log` taken earlier), waiting up to ``timeout`` seconds for it to be written."""
+        compiled = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.process.poll() is not None
+            log = self.log()
+            if match := compiled.search(log, since):
+                return match
+            if exited or time.monotonic() > deadline:
+                why = "the server exited" if exited else f"not within {timeout}s"
+                raise AssertionError(f"{compiled.pattern!r} not logged ({why}):\n{log[since:]}")
+            time.sleep(0.05)
+
 
 def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:
     """Poll /v2/health/ready until it says ready, with a deadline."""
@@ -96,10 +114,13 @@ def run_server(
     log_dir: Path,
     ready: bool = True,
     env: Mapping[str, str] | None = None,
+    stop_timeout: float = 30.0,
 ) -> Iterator[ServerProcess]:
     """``python -m huggingfaceserver ARGS`` as a user starts it, on free ports.
 
-    ``env`` adds to (or overrides) this process's environment for the server.
+    ``env`` adds to (or overrides) this process's environment for the server. On the way out a
+    server still running gets SIGTERM, and SIGKILL if it has not exited ``stop_timeout``
+    seconds later.
     """
     http_port, grpc_port = free_port(), free_port()
     log_path = log_dir / f"server-{http_port}.log"
@@ -130,7 +151,90 @@ def run_server(
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=stop_timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process, told apart from a later one that reuses its pid by its start time."""
+
+    pid: int
+    start_time: int
+    cmdline: str
+
+    def alive(self) -> bool:
+        stat = _stat(self.pid)
+        return stat is not None and stat[1] == self.start_time and stat[0] != "Z"
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, start time, parent pid) from /proc/PID/stat; None once the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
+    return fields[0], int(fields[19]), int(fields[1])
+
+
+def proc(pid: int) -> Proc | None:
+    """The process ``pid`` now; None once it is gone."""
+    stat = _stat(pid)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return None
+    if stat is None:
+        return None
+    return Proc(pid, stat[1], cmdline.decode(errors="replace").strip())
+
+
+def children(pid: int) -> list[Proc]:
+    """The direct children of ``pid`` (from /proc/PID/task/*/children)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids.update(int(child) for child in task.read_text().split())
+        except OSError:
+            continue  # the thread has just exited
+    return [p for child in sorted(pids) if (p := proc(child)) is not None]
+
+
+def descendants(root_pid: int) -> list[Proc]:
+    """Every process below ``root_pid`` (children, their children, ...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents.setdefault(stat[2], []).append(int(entry.name))
+    found, todo = [], [root_pid]
+    while todo:
+        for pid in parents.get(todo.pop(), []):
+            if (child := proc(pid)) is not None:
+                found.append(child)
+                todo.append(pid)
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; whether it held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def status(url: str) -> int | None:
+    """The HTTP status of ``GET url``; None when nothing answers."""
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None

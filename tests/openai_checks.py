@@ -35,6 +35,16 @@ def check_streamed_chat_adds_up(client: openai.OpenAI, model: str, messages: Any
     assert last.choices == [] and last.usage == whole.usage
 
 
+def middle_substring(text: str, length: int = 3) -> str:
+    """A substring from the second half of ``text`` that is whole characters (a stop string
+    that greedy generation meets midway)."""
+    return next(
+        text[i : i + length]
+        for i in range(len(text) // 2, len(text) - length)
+        if "\ufffd" not in text[i : i + length]
+    )
+
+
 @dataclass
 class Reference:
     """The model and tokenizer loaded straight from the folder: the oracle."""

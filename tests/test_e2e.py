@@ -1,4 +1,5 @@
-"""The server as a user starts it (``python -m huggingfaceserver``), driven by real clients."""
+"""The server as a user starts it (``python -m huggingfaceserver``), driven by real clients, in
+both process layouts (``layout``: one process, or an engine behind two fronts)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ GRPC_CLIENT = Path(__file__).with_name("grpc_client.py")
 
 
 @pytest.fixture(scope="module")
-def server(minilm_path, tmp_path_factory):
-    """The README's command line, started once for the module."""
+def server(minilm_path, layout, tmp_path_factory):
+    """The README's command line, started once per layout."""
     args = ["--model_dir", str(minilm_path), "--model_name", "minilm", "--task", "text_embedding"]
-    with run_server(args, tmp_path_factory.mktemp("e2e")) as process:
+    with run_server([*args, *layout], tmp_path_factory.mktemp("e2e")) as process:
         yield process
 
 
@@ -186,7 +187,9 @@ def test_openai_sdk_embeddings_and_rerank(server, v1_embeddings):
 
 
 def test_sigterm_stops_the_server_with_status_0(tiny_models, tmp_path):
-    args = ["--model_dir", str(tiny_models["st_cls"]), "--model_name", "tiny"]
+    """One process (the two-front layout's SIGTERM, with requests in flight, is
+    tests/test_supervisor.py's)."""
+    args = ["--model_dir", str(tiny_models["st_cls"]), "--model_name", "tiny", "--api_workers", "1"]
     with run_server(args, tmp_path) as process:
         process.process.send_signal(signal.SIGTERM)
         try:
@@ -197,8 +200,9 @@ def test_sigterm_stops_the_server_with_status_0(tiny_models, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def failed_start(tiny_models, tmp_path_factory) -> subprocess.CompletedProcess:
-    """A fill-mask folder with config and tokenizer but no weights, served as a user would."""
+def failed_start(tiny_models, layout, tmp_path_factory) -> subprocess.CompletedProcess:
+    """A fill-mask folder with config and tokenizer but no weights, served as a user would (in
+    the two-front layout, the engine process finds the weights missing)."""
     folder = tmp_path_factory.mktemp("no-weights")
     for source in tiny_models["bert_fill_mask"].iterdir():
         if source.is_file() and source.suffix in (".json", ".txt"):
@@ -212,6 +216,7 @@ def failed_start(tiny_models, tmp_path_factory) -> subprocess.CompletedProcess:
         str(free_port()),
         "--grpc_port",
         str(free_port()),
+        *layout,
     ]
     try:
         return subprocess.run(

@@ -1,12 +1,11 @@
 """A generative model served as a user starts it (``python -m huggingfaceserver``), driven by
 the official openai SDK and plain HTTP: completions, chat, streaming, concurrent requests, and
-generation that stops when the client goes away."""
+generation that stops when the client goes away; in both process layouts (``layout``)."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,7 +20,7 @@ from transformers import (
 
 from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
 from tests.harness import ServerProcess, run_server
-from tests.openai_checks import Reference, check_streamed_chat_adds_up
+from tests.openai_checks import Reference, check_streamed_chat_adds_up, middle_substring
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +34,14 @@ def llama_path(tiny_models: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(llama_path: Path, tmp_path_factory):
+def server(llama_path: Path, layout: list[str], tmp_path_factory):
     args = ["--model_dir", str(llama_path), "--model_name", "llama", "--backend", "huggingface"]
-    with run_server(args, tmp_path_factory.mktemp("e2e-openai")) as process:
+    with run_server([*args, *layout], tmp_path_factory.mktemp("e2e-openai")) as process:
         yield process
 
 
 @pytest.fixture(scope="module")
-def root_server(llama_path: Path, tmp_path_factory):
+def root_server(llama_path: Path, layout: list[str], tmp_path_factory):
     """The same model with ``KSERVE_OPENAI_ROUTE_PREFIX=""``: the OpenAI routes at the root.
 
     ``run_server`` passes this process's environment on, so the variable is set only while
@@ -52,7 +51,8 @@ def root_server(llama_path: Path, tmp_path_factory):
     stack = ExitStack()
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PREFIX_ENV, "")
-        process = stack.enter_context(run_server(args, tmp_path_factory.mktemp("e2e-root")))
+        root = tmp_path_factory.mktemp("e2e-root")
+        process = stack.enter_context(run_server([*args, *layout], root))
     with stack:
         yield process
 
@@ -70,13 +70,7 @@ def reference(llama_path: Path) -> Reference:
 
 def wait_for_cancellation(server: ServerProcess, since: int, timeout: float = 15.0) -> int:
     """The token count of the first "generation cancelled" log line after offset ``since``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = CANCELLED.search(server.log()[since:])
-        if match:
-            return int(match.group(1))
-        time.sleep(0.05)
-    raise AssertionError(f"no cancellation logged within {timeout}s:\n{server.log()[since:]}")
+    return int(server.wait_for_log(CANCELLED, since, timeout).group(1))
 
 
 def test_completions(client, reference):
@@ -98,6 +92,45 @@ def test_chat(client, reference):
     prompt_ids = reference.chat_ids(MESSAGES)
     assert response.choices[0].message.content == reference.text(reference.greedy(prompt_ids, 12))
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_n_greedy_choices_carry_the_models_logprobs(client, reference):
+    """Each of two greedy choices: the reference's tokens, with the model's log-probabilities
+    of the sampled token and of the top 2."""
+    prompt_ids = reference.encode("Hello world")
+    new = reference.greedy(prompt_ids, 6)
+    expected = reference.log_softmax(prompt_ids, new)
+    response = client.completions.create(
+        model="llama", prompt="Hello world", temperature=0, max_tokens=6, n=2, logprobs=2
+    )
+    assert [choice.index for choice in response.choices] == [0, 1]
+    decode = reference.tokenizer.decode
+    for choice in response.choices:
+        assert choice.text == reference.text(new)
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.tokens == [decode([token]) for token in new]
+        assert logprobs.token_logprobs == pytest.approx(
+            [float(expected[step, token]) for step, token in enumerate(new)], abs=1e-4
+        )
+        assert logprobs.top_logprobs is not None and len(logprobs.top_logprobs) == len(new)
+        for step, top in enumerate(logprobs.top_logprobs):
+            values, ids = expected[step].topk(2)
+            tops = {decode([i]): v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+            assert top == pytest.approx(tops, abs=1e-4)
+
+
+def test_a_stop_string_ends_every_choice(client, reference):
+    new = reference.greedy(reference.encode("Hello world"), 12)
+    text = reference.text(new)
+    stop = middle_substring(text)
+    response = client.completions.create(
+        model="llama", prompt="Hello world", temperature=0, max_tokens=12, n=2, stop=[stop]
+    )
+    cut = text[: text.index(stop)]
+    assert [(choice.text, choice.finish_reason) for choice in response.choices] == [
+        (cut, "stop")
+    ] * 2
+    assert response.usage is not None and response.usage.completion_tokens < 2 * len(new)
 
 
 def test_streaming_chat_equals_the_non_streamed_answer(client):

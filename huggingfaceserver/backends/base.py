@@ -33,6 +33,10 @@ class EncoderBackend(ABC):
     def load(self) -> None:
         """Load tokenizer and weights; afterwards ``task`` is set."""
 
+    def tune(self) -> None:
+        """After ``load``, once the machine is otherwise quiet: settle what is measured rather
+        than configured (the CPU threads a forward pass gets)."""
+
     @abstractmethod
     async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
         """One result per input, in order (the V1 predictions of ``task``), and the number of

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -25,14 +24,15 @@ MIN_THREAD_SPEEDUP = 1.3
 """On CPU, torch's intra-op threads are kept only if they make that forward this much faster."""
 
 
-def median_seconds(run: Callable[[], object], repeats: int = 3) -> float:
+def best_seconds(run: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of a few runs (after a warm-up): the least disturbed by other work."""
     run()  # warm-up: first calls allocate and pick kernels
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def calibrate_cpu_threads(forward: Callable[[], object]) -> str:
@@ -43,9 +43,9 @@ def calibrate_cpu_threads(forward: Callable[[], object]) -> str:
     threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" in os.environ or threads < 2:
         return f"{threads} (OMP_NUM_THREADS or one core)"
-    many = median_seconds(forward)
+    many = best_seconds(forward)
     torch.set_num_threads(1)
-    one = median_seconds(forward)
+    one = best_seconds(forward)
     timing = f"{one * 1000:.1f} ms on 1 thread, {many * 1000:.1f} ms on {threads}"
     if one >= MIN_THREAD_SPEEDUP * many:
         torch.set_num_threads(threads)
@@ -75,6 +75,8 @@ class TransformersEncoder(TokenizingEncoder):
             self.device,
             self.max_length,
         )
+
+    def tune(self) -> None:
         if self.device.type == "cpu":
             threads = calibrate_cpu_threads(lambda: self.forward(self.calibration_batch()))
             logger.info("intra-op threads: %s", threads)

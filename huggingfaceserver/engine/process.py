@@ -8,6 +8,7 @@ front that asked, coalesced per event-loop turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from .messages import (
 
 logger = logging.getLogger(__name__)
 
+FRONTS_WAIT_S = 120.0
+"""How long a loaded engine waits for the fronts before it times its forward pass anyway."""
 Key = tuple[bytes, int]
 """A request in the engine: the front's identity and the front's id for it."""
 
@@ -50,11 +53,13 @@ Key = tuple[bytes, int]
 class Engine:
     """Serves one loaded backend to the fronts that connect to ``address``."""
 
-    def __init__(self, backend: EncoderBackend | GenerationBackend, address: str):
+    def __init__(self, backend: EncoderBackend | GenerationBackend, address: str, fronts: int):
         self.backend = backend
         self.address = address
+        self.expected_fronts = fronts
         self.loaded = False
         self.fronts: dict[bytes, int] = {}
+        self.all_fronts = asyncio.Event()
         self.live: dict[Key, EncodeRequest | GenerateRequest] = {}
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             Hello: self.hello,
@@ -90,6 +95,12 @@ class Engine:
 
     async def load(self) -> None:
         await asyncio.to_thread(self.backend.load)
+        if isinstance(self.backend, EncoderBackend):
+            # timings are only worth taking once the fronts have started (they import and
+            # load tokenizers meanwhile, on the same cores) and wait for the engine
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_fronts.wait(), FRONTS_WAIT_S)
+            await asyncio.to_thread(self.backend.tune)
         freeze_loaded_heap()
         self.loaded = True
         logger.info("engine: model loaded; %d front(s) connected", len(self.fronts))
@@ -120,6 +131,8 @@ class Engine:
 
     def hello(self, peer: bytes, message: Hello) -> None:
         self.fronts[peer] = message.front
+        if len(self.fronts) >= self.expected_fronts:
+            self.all_fronts.set()
         logger.info("engine: front %d connected", message.front)
         self.broadcast()
 
@@ -184,8 +197,8 @@ class Engine:
             request.cancelled = True
 
 
-def serve_engine(backend: EncoderBackend | GenerationBackend, address: str) -> None:
+def serve_engine(backend: EncoderBackend | GenerationBackend, address: str, fronts: int) -> None:
     """Run the engine in this process until :data:`STOP_SIGNAL` (see :class:`Engine`)."""
     for ignored in (signal.SIGTERM, signal.SIGINT):
         signal.signal(ignored, signal.SIG_IGN)
-    asyncio.run(Engine(backend, address).run())
+    asyncio.run(Engine(backend, address, fronts).run())

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.backends.vllm import VLLM_FLAGS, Proc, descendants, status, vllm_env, wait_until
-from tests.harness import ServerProcess, run_server
+from tests.backends.vllm import VLLM_FLAGS, vllm_env
+from tests.harness import Proc, ServerProcess, descendants, run_server, status, wait_until
 
 pytest.importorskip("vllm")
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
-from tests.backends.vllm import VLLM_FLAGS, status, vllm_env, wait_until
-from tests.harness import ServerProcess, client_for, load_model, run_server
+from tests.backends.vllm import VLLM_FLAGS, vllm_env
+from tests.harness import ServerProcess, client_for, load_model, run_server, status, wait_until
 from tests.openai_checks import check_streamed_chat_adds_up
 
 pytest.importorskip("vllm")

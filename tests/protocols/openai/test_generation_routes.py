@@ -24,7 +24,7 @@ from transformers import (
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from tests.harness import build_app, client_for, load_model
-from tests.openai_checks import MAX_TOKENS, Reference
+from tests.openai_checks import MAX_TOKENS, Reference, middle_substring
 
 COMPLETIONS = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
@@ -158,15 +158,6 @@ def check_finish_reasons(deltas: list[dict[str, Any]]) -> str:
     assert [d["finish_reason"] for d in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert deltas[-1]["finish_reason"] in ("stop", "length")
     return deltas[-1]["finish_reason"]
-
-
-def middle_substring(text: str, length: int = 3) -> str:
-    """A substring from the second half of ``text`` that is whole characters."""
-    return next(
-        text[i : i + length]
-        for i in range(len(text) // 2, len(text) - length)
-        if "\ufffd" not in text[i : i + length]
-    )
 
 
 # --- greedy decoding against model.generate -------------------------------------------------

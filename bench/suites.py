@@ -1,0 +1,162 @@
+"""Every workload the command line can select, by device: how to run it, and whether it can.
+
+A workload's outcome gives its own targets and its own report section (:class:`Outcome`); the
+classic encoder and generation workloads of :mod:`bench.workloads` are wrapped to fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from .workloads import WORKLOADS, Settings, Workload
+
+if TYPE_CHECKING:  # each of these imports torch: only once a workload runs
+    from .gpu_models import GpuModels
+    from .health import HealthProber
+    from .models import BenchModels
+    from .runner import WorkloadResult
+    from .targets import Target
+
+
+class Outcome(Protocol):
+    """What a workload measured."""
+
+    def targets(self) -> list[Target]: ...
+
+    def section(self) -> list[str]: ...
+
+
+@dataclass
+class Context:
+    """What every workload may need: models, settings, folders, options."""
+
+    settings: Settings
+    cache: Path
+    baseline_ref: str
+
+    @property
+    def log_dir(self) -> Path:
+        return self.cache / "logs"
+
+    @cached_property
+    def models(self) -> BenchModels:
+        from .models import build_models
+
+        return build_models(self.cache)
+
+    @cached_property
+    def gpu_models(self) -> GpuModels:
+        from .gpu_models import GpuModels
+
+        return GpuModels(self.cache)
+
+    @cached_property
+    def prober(self) -> HealthProber:
+        """The health prober of the classic workloads (a process; closed by :meth:`close`)."""
+        from .health import HealthProber
+
+        return HealthProber()
+
+    def close(self) -> None:
+        if "prober" in self.__dict__:
+            self.prober.close()
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A selectable workload: its key, the device it runs on, and how to run it."""
+
+    key: str
+    device: str
+    run: Callable[[Context], Outcome]
+    unavailable: Callable[[], str | None] = lambda: None
+    """Why it cannot run on this machine (it is then skipped with that note), None if it can."""
+    classic: bool = False
+    """One of :data:`bench.workloads.WORKLOADS` (the report's header describes their method)."""
+
+
+@dataclass
+class ClassicOutcome:
+    """A :class:`bench.runner.WorkloadResult` as an :class:`Outcome`."""
+
+    result: WorkloadResult
+
+    def targets(self) -> list[Target]:
+        from .targets import evaluate
+
+        return evaluate([self.result])
+
+    def section(self) -> list[str]:
+        from .report import workload_section
+
+        return workload_section(self.result)
+
+
+def _classic(workload: Workload) -> Suite:
+    def run(context: Context) -> Outcome:
+        from .runner import measure_workload
+
+        result = measure_workload(
+            workload, context.models, context.settings, context.prober, context.log_dir
+        )
+        return ClassicOutcome(result)
+
+    return Suite(workload.key, "cpu", run, classic=True)
+
+
+def _overhead(context: Context) -> Outcome:
+    from . import overhead
+
+    model_dir = context.models.overhead
+    return overhead.measure(
+        model_dir, context.settings, context.cache, context.log_dir, context.baseline_ref
+    )
+
+
+def _vllm(context: Context) -> Outcome:
+    from . import vllm_tier
+
+    model_dir = context.models.llama
+    return vllm_tier.measure(model_dir, context.settings, context.cache, context.log_dir)
+
+
+def _vllm_unavailable() -> str | None:
+    from .vllm_tier import unavailable
+
+    return unavailable()
+
+
+def _gpu_encoder(context: Context) -> Outcome:
+    from .gpu import measure_encoder
+
+    return measure_encoder(context.gpu_models, context.settings, context.log_dir)
+
+
+def _gpu_generation(context: Context) -> Outcome:
+    from .gpu import measure_generation
+
+    return measure_generation(context.gpu_models, context.settings, context.log_dir)
+
+
+def _no_cuda() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device here"
+
+
+SUITES = (
+    *(_classic(workload) for workload in WORKLOADS),
+    Suite("overhead", "cpu", _overhead),
+    Suite("vllm", "cpu", _vllm, _vllm_unavailable),
+    Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
+    Suite("generation", "cuda", _gpu_generation, _no_cuda),
+)
+
+
+def for_device(device: str) -> list[Suite]:
+    """The workloads of ``device`` (``cpu`` or ``cuda``), in their usual order."""
+    return [suite for suite in SUITES if suite.device == device]
