@@ -17,6 +17,8 @@ from .workloads import QUICK, Settings
 
 logger = logging.getLogger("bench")
 DEFAULT_OUTPUT = {"cpu": Path("BENCHMARKS.md"), "cuda": Path("BENCHMARKS-gpu.md")}
+GPU_REPORT = Path("BENCHMARKS-gpu.md")
+"""The GPU figures, taken on a GPU machine; the CPU report carries them as they are."""
 DEFAULT_BASELINE = "2bd647e"
 """The server's code before the multi-process work (``--api_workers``)."""
 
@@ -132,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         classic=any(suite.classic for suite in suites),
         skipped=skipped,
     )
+    if args.device == "cpu":
+        text += report.gpu_appendix(GPU_REPORT)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     for target in checked:

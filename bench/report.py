@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import texts
 from .environment import Environment
@@ -236,3 +237,13 @@ def render(
     if skipped:
         lines += ["## Skipped", "", *(f"- {note}" for note in skipped), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def gpu_appendix(path: Path) -> str:
+    """The GPU report (made on a GPU machine, see bench/gpu_run.sh) as the last section of the
+    CPU one, so that BENCHMARKS.md holds every figure; nothing when there is none."""
+    if not path.is_file():
+        return ""
+    body = path.read_text().split("\n", 1)[1].strip()
+    body = "\n".join(f"#{line}" if line.startswith("#") else line for line in body.splitlines())
+    return f"\n# GPU figures (from {path.name}, taken on the GPU machine)\n\n{body}\n"

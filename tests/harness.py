@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -238,3 +239,17 @@ def status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return None
+
+
+def leave_stream_after(url: str, body: dict, chunks: int = 2) -> list[dict]:
+    """POST a streamed completion, read ``chunks`` SSE data events, then close the connection
+    (a client that goes away mid-stream)."""
+    received: list[dict] = []
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                received.append(json.loads(line.removeprefix("data: ")))
+            if len(received) == chunks:
+                break
+    return received

@@ -26,6 +26,7 @@ from tests.harness import (
     Proc,
     ServerProcess,
     children,
+    leave_stream_after,
     proc,
     run_server,
     status,
@@ -229,14 +230,7 @@ def test_a_client_that_leaves_a_stream_frees_its_rows_in_the_engine(served):
     server = served.server
     since = len(server.log())
     body = {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    received = []
-    with httpx.stream("POST", f"{server.url}/openai/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                received.append(json.loads(line.removeprefix("data: ")))
-            if len(received) == 2:
-                break
+    received = leave_stream_after(f"{server.url}/openai/v1/completions", body)
     assert all(chunk["choices"][0]["finish_reason"] is None for chunk in received)
     cancelled = server.wait_for_log(CANCELLED, since, timeout=15)
     pid, tokens = (int(group) for group in cancelled.groups())

@@ -16,9 +16,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from transformers import BatchEncoding
 from ..loop_calls import LoopCalls, deferred
 from .encoding import Row
 
+T = TypeVar("T")
 RunBatch = Callable[[BatchEncoding, list[str]], list[Any]]
 """Runs a merged batch on the batcher's thread, given each row's kind (see
 :attr:`Request.kind`); a result per row."""
@@ -131,6 +133,24 @@ class EncoderBatcher:
         self.expected = 0
         """Requests being prepared that will be submitted soon."""
         self.thread: threading.Thread | None = None
+        self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+
+    def run_on_worker(self, function: Callable[[], T]) -> T:
+        """``function()`` on the batcher's thread, waited for: what sets torch's CPU threads
+        must run on the thread that runs the forward passes. OpenMP keeps a team of threads
+        per calling thread, and a second team (say, the loader thread's) makes libgomp cut
+        its workers' spin-waits short, which slowed every small forward pass down by half."""
+        done: Future[T] = Future()
+        with self.wake:
+            self._start()
+            self.calls.append((function, done))
+            self.wake.notify()
+        return done.result()
+
+    def _start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name="batch", daemon=True)
+            self.thread.start()
 
     @contextmanager
     def expect(self) -> Iterator[None]:
@@ -156,16 +176,14 @@ class EncoderBatcher:
     def submit(self, request: Request) -> None:
         """Queue a request (from any thread); its ``settle`` gets the outcome."""
         with self.wake:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._work, name="batch", daemon=True)
-                self.thread.start()
+            self._start()
             self.waiting.append(request)
             self.wake.notify()
 
     def _gather(self) -> list[Request]:
         """Every waiting request, after waiting (bounded) for those still being prepared."""
         with self.wake:
-            while not self.waiting:
+            while not self.waiting and not self.calls:
                 self.wake.wait()
             deadline = time.monotonic() + self.limits.wait_s
             while self.expected and self._waiting_rows() < self.limits.max_batch_size:
@@ -177,11 +195,21 @@ class EncoderBatcher:
             self.waiting.clear()
         return [r for r in requests if not r.cancelled]  # a client that left is skipped
 
+    def _run_calls(self) -> None:
+        while self.calls:
+            with self.wake:
+                function, done = self.calls.popleft()
+            try:
+                done.set_result(function())
+            except BaseException as exc:  # handed to the caller
+                done.set_exception(exc)
+
     def _waiting_rows(self) -> int:
         return sum(len(request.rows) for request in self.waiting)
 
     def _work(self) -> None:
         while True:
+            self._run_calls()
             requests = self._gather()
             pending = [(request, i) for request in requests for i in range(len(request.rows))]
             for batch in plan_batches(pending, self.limits):

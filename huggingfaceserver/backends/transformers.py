@@ -78,7 +78,10 @@ class TransformersEncoder(TokenizingEncoder):
 
     def tune(self) -> None:
         if self.device.type == "cpu":
-            threads = calibrate_cpu_threads(lambda: self.forward(self.calibration_batch()))
+            batch = self.calibration_batch()
+            threads = self.batcher.run_on_worker(
+                lambda: calibrate_cpu_threads(lambda: self.forward(batch))
+            )
             logger.info("intra-op threads: %s", threads)
 
     def calibration_batch(self) -> BatchEncoding:

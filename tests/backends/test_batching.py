@@ -160,3 +160,18 @@ async def test_a_lone_request_does_not_wait_for_a_batch(tiny_models):
     (response,) = await predict_each(model, ["alone"])
     assert response.status_code == 200
     assert time.monotonic() - started < 2.5  # nothing else was on its way: no 5 s wait
+
+
+def test_run_on_worker_runs_on_the_batch_thread_and_returns_or_raises():
+    """What sets torch's CPU threads runs where the forward passes do (OpenMP keeps a thread
+    team per calling thread)."""
+    import threading
+
+    from huggingfaceserver.backends.batching import EncoderBatcher
+
+    batcher = EncoderBatcher(lambda batch, kinds: [], {}, BatchLimits())
+    assert batcher.run_on_worker(lambda: threading.current_thread().name) == "batch"
+    assert batcher.thread is not None and batcher.thread.name == "batch"
+    with pytest.raises(ZeroDivisionError):
+        batcher.run_on_worker(lambda: 1 / 0)
+    assert batcher.run_on_worker(lambda: 42) == 42  # the worker went on

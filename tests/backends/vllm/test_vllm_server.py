@@ -19,7 +19,15 @@ import pytest
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from tests.backends.vllm import VLLM_FLAGS, vllm_env
-from tests.harness import ServerProcess, client_for, load_model, run_server, status, wait_until
+from tests.harness import (
+    ServerProcess,
+    client_for,
+    leave_stream_after,
+    load_model,
+    run_server,
+    status,
+    wait_until,
+)
 from tests.openai_checks import check_streamed_chat_adds_up
 
 pytest.importorskip("vllm")
@@ -339,14 +347,7 @@ def test_a_client_that_leaves_a_stream_aborts_the_engine_request(server, client)
     since = len(server.log())
     before = generated_tokens(server)
     body = {"model": "llm", "prompt": "Hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    received = []
-    with httpx.stream("POST", f"{server.url}/openai/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                received.append(json.loads(line.removeprefix("data: ")))
-            if len(received) == 2:
-                break
+    received = leave_stream_after(f"{server.url}/openai/v1/completions", body)
     assert all(chunk["choices"][0]["finish_reason"] is None for chunk in received)
 
     def cancelled() -> re.Match[str] | None:
