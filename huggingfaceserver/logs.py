@@ -3,10 +3,10 @@
 A request costs two lines when request logging is on (our request line, uvicorn's access
 line). Written one ``write`` call each, with the stream flushed per line, they took an eighth
 of the event loop's time under load, and every such system call hands the GIL to the
-batching threads and waits to get it back. :class:`BatchedStreamHandler` formats a line at
-once (its time and content are those of the moment it was logged) and writes the lines of
-the next few milliseconds together. Warnings and errors, and everything at exit, are written
-at once, in order.
+batching threads and waits to get it back. :class:`BatchedStreamHandler` queues the records
+and a writer thread formats and writes those of the next few milliseconds together (a line's
+time is still the moment it was logged). Warnings and errors, and everything at exit, are
+written at once, in order.
 """
 
 from __future__ import annotations
@@ -44,18 +44,14 @@ class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self, stream: TextIO, interval_s: float = BATCH_INTERVAL_S):
         super().__init__(stream)
         self.interval_s = interval_s
-        self.pending: list[str] = []
+        self.pending: list[logging.LogRecord] = []
         self.wake = threading.Event()
         self.writer: threading.Thread | None = None
         atexit.register(self.flush)
 
     def emit(self, record: logging.LogRecord) -> None:
         """Called with the handler's lock held (``Handler.handle``)."""
-        try:
-            self.pending.append(self.format(record) + self.terminator)
-        except Exception:  # logging's own contract: report, never raise
-            self.handleError(record)
-            return
+        self.pending.append(record)
         if record.levelno >= logging.WARNING:
             self._write()
             return
@@ -69,9 +65,15 @@ class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self._write()
 
     def _write(self) -> None:
-        lines, self.pending = self.pending, []
-        if not lines:
+        records, self.pending = self.pending, []
+        if not records:
             return
+        lines = []
+        for record in records:
+            try:
+                lines.append(self.format(record) + self.terminator)
+            except Exception:  # logging's own contract: report, never raise
+                self.handleError(record)
         try:
             self.stream.write("".join(lines))
             self.stream.flush()
