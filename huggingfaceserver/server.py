@@ -87,9 +87,10 @@ def local_backend(
 
 
 def engine_local_backend(config: ServerConfig) -> EncoderBackend | GenerationBackend:
-    """The engine process's backend: the model on transformers, in this process."""
+    """The engine process's backend: the model on transformers, in this process (the layout
+    splits only transformers-served models, see :func:`~.layout.choose_layout`)."""
     source, choice = locate(config)
-    return local_backend(source, config, BackendChoice("huggingface", "the engine process"))
+    return local_backend(source, config, choice)
 
 
 def engine_backend(

@@ -80,6 +80,10 @@ class GenerationBackend(ABC):
     def load(self) -> None:
         """Load tokenizer and weights; afterwards ``tokenizer`` and ``max_model_len`` are set."""
 
+    def tune(self) -> None:
+        """After ``load``, once the machine is otherwise quiet: settle what is measured rather
+        than configured."""
+
     @abstractmethod
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

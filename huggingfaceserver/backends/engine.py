@@ -26,10 +26,25 @@ from .encoding import Row
 from .tokenizing import TokenizingEncoder
 from .transformers_generation import check_generation_request
 
-ENGINE_LOST = "the engine process stopped"
+
+class ServedByEngine:
+    """What both front backends do with the engine: connect before loading, stop serving when
+    it is lost, close the connection at shutdown."""
+
+    client: EngineClient
+
+    async def connect(self) -> None:
+        await self.client.start()
+
+    async def watch(self) -> None:
+        await self.client.wait_lost()
+        raise StartupError("the engine process stopped")
+
+    def shutdown(self) -> None:
+        self.client.close()
 
 
-class EngineEncoder(TokenizingEncoder):
+class EngineEncoder(ServedByEngine, TokenizingEncoder):
     """An encoder task tokenized here and run by the engine."""
 
     name = "huggingface"
@@ -37,9 +52,6 @@ class EngineEncoder(TokenizingEncoder):
     def __init__(self, source: ModelSource, config: ServerConfig, client: EngineClient):
         super().__init__(source, config)
         self.client = client
-
-    async def connect(self) -> None:
-        await self.client.start()
 
     def load_model(self) -> None:
         self.client.wait_ready()
@@ -53,15 +65,8 @@ class EngineEncoder(TokenizingEncoder):
     def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
         raise NotImplementedError("the engine process runs the model")
 
-    async def watch(self) -> None:
-        await self.client.wait_lost()
-        raise StartupError(ENGINE_LOST)
 
-    def shutdown(self) -> None:
-        self.client.close()
-
-
-class EngineGenerator(GenerationBackend):
+class EngineGenerator(ServedByEngine, GenerationBackend):
     """A generative model decoded by the engine; prompts and text are made here."""
 
     name = "huggingface"
@@ -70,9 +75,6 @@ class EngineGenerator(GenerationBackend):
         self.source = source
         self.config = config
         self.client = client
-
-    async def connect(self) -> None:
-        await self.client.start()
 
     def load(self) -> None:
         self.tokenizer = load_tokenizer(self.source, self.config)
@@ -118,10 +120,3 @@ class EngineGenerator(GenerationBackend):
                     yield out
         finally:
             self.client.abort(request_id)  # a no-op when the engine has finished it
-
-    async def watch(self) -> None:
-        await self.client.wait_lost()
-        raise StartupError(ENGINE_LOST)
-
-    def shutdown(self) -> None:
-        self.client.close()

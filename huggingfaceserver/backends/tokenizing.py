@@ -88,7 +88,7 @@ def results_by_kind(
 
 
 class TokenizingEncoder(EncoderBackend):
-    """Loads the tokenizer and the task; turns texts into a checked, padded batch."""
+    """Loads the tokenizer and the task; turns inputs into checked rows for the batcher."""
 
     def __init__(self, source: ModelSource, config: ServerConfig):
         self.source = source
@@ -179,8 +179,8 @@ class TokenizingEncoder(EncoderBackend):
         return await loop.run_in_executor(self.tokenizing, partial(function, *args))
 
     def prepare_rows(self, inputs: EncoderInputs) -> tuple[list[int], list[Row]]:
-        """A request's inputs checked and tokenized (blocking: off the event loop): each one's
-        token count, and its row."""
+        """A request's inputs checked and tokenized (blocking: on the event loop only for small
+        requests, see :meth:`tokenizes_inline`): each one's token count, and its row."""
         if inputs and not isinstance(inputs[0], str):
             ids: list[list[int]] = [list(i) for i in inputs]  # type: ignore[arg-type]
             check_token_inputs(ids, len(self.tokenizer), self.max_length)

@@ -86,7 +86,10 @@ class Channel:
                 logger.error("dropped a malformed message: %s", exc)
                 continue
             for message in messages:
-                self.receive(peer, message)
+                try:
+                    self.receive(peer, message)
+                except Exception:  # one bad message, not the end of all receiving
+                    logger.exception("a %s message failed", type(message).__name__)
 
 
 def _encode_all(messages: list[Message]) -> bytes:

@@ -95,12 +95,11 @@ class Engine:
 
     async def load(self) -> None:
         await asyncio.to_thread(self.backend.load)
-        if isinstance(self.backend, EncoderBackend):
-            # timings are only worth taking once the fronts have started (they import and
-            # load tokenizers meanwhile, on the same cores) and wait for the engine
-            with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
-                await asyncio.wait_for(self.all_fronts.wait(), FRONTS_WAIT_S)
-            await asyncio.to_thread(self.backend.tune)
+        # timings are only worth taking once the fronts have started (they import and load
+        # tokenizers meanwhile, on the same cores) and wait for the engine
+        with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
+            await asyncio.wait_for(self.all_fronts.wait(), FRONTS_WAIT_S)
+        await asyncio.to_thread(self.backend.tune)
         freeze_loaded_heap()
         self.loaded = True
         logger.info("engine: model loaded; %d front(s) connected", len(self.fronts))

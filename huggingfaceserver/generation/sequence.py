@@ -25,7 +25,6 @@ class ChoiceText:
     """
 
     detokenizer: IncrementalDetokenizer
-    include_stop_str_in_output: bool = False
 
     @classmethod
     def for_params(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> ChoiceText:
@@ -36,8 +35,7 @@ class ChoiceText:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
-            ),
-            params.include_stop_str_in_output,
+            )
         )
 
     def take(self, token_id: int, ended: FinishReason | None) -> tuple[str, FinishReason | None]:
@@ -48,7 +46,7 @@ class ChoiceText:
         choice ("stop"), and wins over "length".
         """
         if ended == "stop":
-            keep = self.include_stop_str_in_output
+            keep = self.detokenizer.include_stop_str_in_output
             text = self.detokenizer.push(token_id) if keep else ""
             return text + self.detokenizer.flush(), "stop"
         text = self.detokenizer.push(token_id)

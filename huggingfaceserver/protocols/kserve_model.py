@@ -68,8 +68,7 @@ class BackendModel(Model):
     def load_backend(self) -> None:
         """Blocking: load tokenizer and weights, then report ready."""
         self.backend.load()
-        if isinstance(self.backend, EncoderBackend):
-            self.backend.tune()
+        self.backend.tune()
         freeze_loaded_heap()
         self.ready = True
 

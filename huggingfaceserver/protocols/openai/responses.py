@@ -6,7 +6,7 @@ streamed completion choice has ``finish_reason: null`` until its last chunk
 asks for unless its user chose a format) an embedding is a string (:class:`Base64Embedding`).
 Rerank has no OpenAI type: its models follow the Cohere / Jina response.
 
-Serialize with :func:`to_json_dict`: the builders set exactly the fields that belong in the JSON
+Serialize with :func:`to_json`: the builders set exactly the fields that belong in the JSON
 (``exclude_unset``), so a chat delta carries ``role`` only when asked to, stream chunks carry
 ``usage`` only when the client asked for usage, and a rerank result has ``document`` only when
 documents are returned.
@@ -15,6 +15,7 @@ documents are returned.
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -56,15 +57,17 @@ def now() -> int:
     return int(time.time())
 
 
-def to_json_dict(response: BaseModel) -> dict[str, Any]:
-    """The response as JSON-ready data, with the fields its builder set and no others."""
-    return response.model_dump(mode="json", exclude_unset=True)
-
-
 def to_json(response: BaseModel) -> str:
-    """The same as JSON text, serialized by pydantic-core (Rust) in one pass: an embedding's
-    floats through ``model_dump`` and ``json.dumps`` cost several times more."""
+    """The response as JSON text, with the fields its builder set and no others, serialized
+    by pydantic-core (Rust) in one pass: an embedding's floats through ``model_dump`` and
+    ``json.dumps`` cost several times more."""
     return response.model_dump_json(exclude_unset=True)
+
+
+def to_json_dict(response: BaseModel) -> dict[str, Any]:
+    """What :func:`to_json` sends, as data."""
+    data: dict[str, Any] = json.loads(to_json(response))
+    return data
 
 
 class JSONBody(Response):
