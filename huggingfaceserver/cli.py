@@ -17,6 +17,8 @@ from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
 BACKENDS = ("auto", "huggingface", "vllm")
+LOG_FORMATS = ("text", "json")
+MiB = 1024 * 1024
 
 # `vllm serve` engine flags recognised even when vLLM is not installed, so that a manifest
 # written for the vLLM image still starts on the transformers backend (with a warning).
@@ -101,6 +103,34 @@ class ServerConfig:
     else one: the whole server in one process, with no IPC (see :mod:`.layout`)."""
     max_log_len: int | None = None
     """Truncate logged inputs to this many characters (the log line only)."""
+    log_format: str = "text"
+    """text | json: one JSON object per log line, for log collectors."""
+    enable_model_repository: bool = False
+    """Serve KServe's model repository routes (REST and gRPC load/unload/index); off, since this
+    server serves the one model it loaded at start and an unload would take it down."""
+    max_concurrent_requests: int = 128
+    """Requests in flight plus queued, for the whole server; beyond it an immediate 429 with
+    ``Retry-After``. Bounds memory under any offered load."""
+    max_request_bytes: int = 16 * MiB
+    """Largest request body; beyond it a 413 before the body is parsed."""
+    max_inputs_per_request: int = 1024
+    """Texts (V1 instances, V2 elements, embedding inputs, rerank documents, prompts) per
+    request; beyond it a 400 naming the limit."""
+    no_truncation: bool = False
+    """Encoders: refuse an input longer than the model's maximum (400 with both lengths)
+    instead of truncating it."""
+    trust_request_chat_template: bool = False
+    """Accept ``chat_template`` in chat requests (vLLM's flag); refused (400) otherwise. Request
+    templates render in a sandbox, off the event loop, with time and output limits."""
+    request_timeout_seconds: float | None = None
+    """A request still running after this long gets a 504 and its work is freed (off: None)."""
+    shutdown_grace_seconds: float = 25.0
+    """On SIGTERM, how long requests in flight (streams included) may take to finish."""
+    api_key: str | None = None
+    """Bearer token every model route then needs (401 otherwise); health and metrics stay
+    open. The server also reads it from ``HUGGINGFACESERVER_API_KEY``."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS (``*`` for any); empty: no CORS headers."""
     server: dict[str, Any] = field(default_factory=dict)
     """KServe ModelServer flags (http_port, grpc_port, workers, predictor_host, ...)."""
     engine_flags: dict[str, list[str]] = field(default_factory=dict)
@@ -139,6 +169,22 @@ def _api_workers(value: str) -> int | None:
     if count < 1:
         raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {value!r}")
     return count
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    """A comma list, or vLLM's JSON list (``'["https://a", "https://b"]'``)."""
+    text = value.strip()
+    if text.startswith("["):
+        import json
+
+        try:
+            items = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {value!r}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"expected a list of strings, got {value!r}")
+        return tuple(i.strip() for i in items if i.strip())
+    return tuple(i.strip() for i in text.split(",") if i.strip())
 
 
 def _task(value: str) -> Task:
@@ -216,6 +262,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="front processes before one engine process (auto: by device; 1: in-process)",
     )
     add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
+    add("log_format", default="text", choices=LOG_FORMATS, help="log lines as text or JSON")
+    add_flag("enable_model_repository", "serve the model repository load/unload routes")
+    add(
+        "max_concurrent_requests",
+        type=int,
+        default=128,
+        help="requests in flight plus queued; beyond it 429",
+    )
+    add("max_request_bytes", type=int, default=16 * MiB, help="largest body; beyond it 413")
+    add("max_inputs_per_request", type=int, default=1024, help="texts or prompts per request")
+    add_flag("no_truncation", "encoders: refuse over-long inputs (400) instead of truncating")
+    add_flag("trust_request_chat_template", "accept chat_template in chat requests")
+    add(
+        "request_timeout_seconds",
+        type=float,
+        default=None,
+        help="504 for a request still running after this long (default: no limit)",
+    )
+    add("shutdown_grace_seconds", type=float, default=25.0, help="SIGTERM: time to drain")
+    add("api_key", default=None, help="bearer token for model routes (or $HUGGINGFACESERVER_API_KEY)")
+    add("allowed_origins", type=_origins, default=(), help="CORS origins, comma list or JSON")
     return parser
 
 
@@ -293,4 +360,13 @@ def parse_args(
             parser.error(f"--{name} must be a positive integer")
     if own["batch_wait_ms"] < 0:
         parser.error("--batch_wait_ms must not be negative")
+    for name in ("max_concurrent_requests", "max_request_bytes", "max_inputs_per_request"):
+        if own[name] <= 0:
+            parser.error(f"--{name} must be a positive integer")
+    for name in ("request_timeout_seconds", "shutdown_grace_seconds"):
+        value = own[name]
+        if value is not None and not value > 0:  # NaN too
+            parser.error(f"--{name} must be a positive number of seconds")
+    if own["api_key"] is not None and not own["api_key"].strip():
+        parser.error("--api_key must not be empty")
     return ServerConfig(**own, server=values, engine_flags=flags)

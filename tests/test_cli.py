@@ -43,6 +43,17 @@ CONTRACT_DEFAULTS = {
     "max_batch_size": 16,
     "batch_wait_ms": 2.0,
     "api_workers": None,
+    "log_format": "text",
+    "enable_model_repository": False,
+    "max_concurrent_requests": 128,
+    "max_request_bytes": 16 * 1024 * 1024,
+    "max_inputs_per_request": 1024,
+    "no_truncation": False,
+    "trust_request_chat_template": False,
+    "request_timeout_seconds": None,
+    "shutdown_grace_seconds": 25.0,
+    "api_key": None,
+    "allowed_origins": (),
 }
 
 KSERVE_DEFAULTS = {
@@ -81,6 +92,17 @@ OWN_FLAGS = {
     "max_batch_size": ("8", 8),
     "batch_wait_ms": ("5", 5.0),
     "api_workers": ("3", 3),
+    "log_format": ("json", "json"),
+    "enable_model_repository": (None, True),
+    "max_concurrent_requests": ("64", 64),
+    "max_request_bytes": ("1024", 1024),
+    "max_inputs_per_request": ("8", 8),
+    "no_truncation": (None, True),
+    "trust_request_chat_template": (None, True),
+    "request_timeout_seconds": ("2.5", 2.5),
+    "shutdown_grace_seconds": ("10", 10.0),
+    "api_key": ("s3cret", "s3cret"),
+    "allowed_origins": ("https://a.example, https://b.example", ("https://a.example", "https://b.example")),
 }
 
 
@@ -364,3 +386,40 @@ def test_batching_limits_must_be_sensible(argv, capsys):
 @pytest.mark.parametrize(("value", "expected"), [("auto", None), ("1", 1), ("8", 8)])
 def test_api_workers_is_auto_or_a_count(value, expected):
     assert parse_args(["--api_workers", value]).api_workers == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max_concurrent_requests", "0"],
+        ["--max_request_bytes", "-1"],
+        ["--max_inputs_per_request", "0"],
+        ["--request_timeout_seconds", "0"],
+        ["--request_timeout_seconds", "nan"],
+        ["--shutdown_grace_seconds", "-5"],
+        ["--api_key", " "],
+    ],
+)
+def test_production_limits_must_be_sensible(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("*", ("*",)),
+        ('["https://a.example", "https://b.example"]', ("https://a.example", "https://b.example")),
+        ("https://a.example,", ("https://a.example",)),
+    ],
+)
+def test_allowed_origins_take_a_comma_list_or_json(value, expected):
+    assert parse_args(["--allowed_origins", value]).allowed_origins == expected
+
+
+def test_allowed_origins_refuse_a_broken_json_list(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--allowed_origins", '["https://a.example"'])
+    assert "--allowed_origins" in capsys.readouterr().err
