@@ -49,7 +49,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--baseline-ref",
         default=DEFAULT_BASELINE,
-        help="overhead workload: the commit whose server is the baseline (default %(default)s)",
+        help="overhead and coldstart workloads: the commit whose server is the baseline "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--server-arg",

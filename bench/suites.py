@@ -117,6 +117,14 @@ def _overhead(context: Context) -> Outcome:
     )
 
 
+def _cold_start(context: Context) -> Outcome:
+    from . import cold_start
+
+    return cold_start.measure(
+        context.settings, context.cache, context.log_dir, context.baseline_ref
+    )
+
+
 def _vllm(context: Context) -> Outcome:
     from . import vllm_tier
 
@@ -151,6 +159,7 @@ def _no_cuda() -> str | None:
 SUITES = (
     *(_classic(workload) for workload in WORKLOADS),
     Suite("overhead", "cpu", _overhead),
+    Suite("coldstart", "cpu", _cold_start),
     Suite("vllm", "cpu", _vllm, _vllm_unavailable),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),

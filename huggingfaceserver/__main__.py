@@ -27,9 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(
         sys.argv[1:] if argv is None else argv, more_engine_flag_names=installed_engine_flag_names
     )
-    configure_logging()
-    from .server import serve
+    configure_logging(config.log_format)
+    from .startup import importing
 
+    with importing(freeze=True):
+        from .server import serve
     try:
         serve(config)
     except StartupError as exc:

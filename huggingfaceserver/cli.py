@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="504 for a request still running after this long (default: no limit)",
     )
     add("shutdown_grace_seconds", type=float, default=25.0, help="SIGTERM: time to drain")
-    add("api_key", default=None, help="bearer token for model routes (or $HUGGINGFACESERVER_API_KEY)")
+    add("api_key", default=None, help="bearer token for model routes (or env var)")
     add("allowed_origins", type=_origins, default=(), help="CORS origins, comma list or JSON")
     return parser
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kserve.errors import InvalidInput
@@ -93,3 +93,28 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
         status_code=HTTPStatus.BAD_REQUEST, content={"error": describe_validation_error(exc)}
     )
+
+
+VERSIONS_NOT_SERVED = (
+    "model versions are not served: this server serves its model without a version; "
+    "leave model_version out"
+)
+
+
+async def not_implemented_handler(_: Request, exc: Exception) -> JSONResponse:
+    """KServe answers a ``model_version`` with 501 (its versioning is a TODO): no such version
+    exists here, so it is a 404. Anything else not implemented stays a 501."""
+    if "version" in str(exc).lower():
+        return JSONResponse(
+            status_code=HTTPStatus.NOT_FOUND, content={"error": VERSIONS_NOT_SERVED}
+        )
+    logger.error("not implemented: %s", exc, exc_info=exc)
+    return JSONResponse(status_code=HTTPStatus.NOT_IMPLEMENTED, content={"error": str(exc)})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Our exceptions with their status, 400 (not 422) for bodies that do not validate, 404 for
+    model versions; call after KServe adds its handlers, so that ours win."""
+    app.add_exception_handler(ServerError, server_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(NotImplementedError, not_implemented_handler)

@@ -11,13 +11,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
+from fastapi import FastAPI
+from grpc import aio
 from kserve import ModelServer  # noqa: E402 - see above
+from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc
+from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
 from kserve.protocol.grpc.server import GRPCServer  # noqa: E402
+from kserve.protocol.grpc.servicer import InferenceServicer
 from kserve.protocol.rest.server import RESTServer  # noqa: E402
+from starlette.routing import BaseRoute
 
-from ._kserve import model_server  # first: kserve parses argv when imported without it
-from .errors import StartupError
+from ._kserve import (
+    model_server,  # first: kserve parses argv when imported without it
+    without_kserve_openai,
+)
+from .admission import Admission
+from .errors import StartupError, install_error_handlers
+from .gateway import ServerState
+from .grpc_policy import PolicyInterceptor
+from .repository import REPOSITORY_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +69,71 @@ def check_port_free(port: int, what: str) -> None:
             raise StartupError(f"cannot listen on {what} port {port}: {exc.strerror}") from None
 
 
-def start_servers(server: ModelServer, sock: socket.socket) -> None:
+@dataclass(frozen=True)
+class Rules:
+    """What the listeners enforce beyond KServe's own routes (see :mod:`.gateway`)."""
+
+    admission: Admission
+    state: ServerState
+    api_key: str | None = None
+    enable_repository: bool = False
+    log_requests: bool = True
+
+
+def prune_repository_routes(app: FastAPI) -> None:
+    """KServe's ``/v2/repository/...`` routes, gone (404) unless the repository is enabled."""
+    kept: list[BaseRoute] = [
+        r for r in app.router.routes if not getattr(r, "path", "").startswith(REPOSITORY_PATH)
+    ]
+    app.router.routes[:] = kept
+
+
+class PolicyGRPCServer(GRPCServer):
+    """KServe's gRPC server with our rules' interceptor in front of KServe's own."""
+
+    def __init__(self, *args: Any, rules: Rules, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.rules = rules
+
+    async def start(self, max_workers: int) -> None:
+        servicer = InferenceServicer(self._data_plane, self._model_repository_extension)
+        rules = self.rules
+        policy = PolicyInterceptor(
+            rules.admission, rules.state, rules.api_key, rules.enable_repository, rules.log_requests
+        )
+        self._server = aio.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=(policy, ExceptionToStatusInterceptor()),
+            options=[
+                ("grpc.max_send_message_length", self._kwargs.get("grpc_max_send_message_length")),
+                (
+                    "grpc.max_receive_message_length",
+                    self._kwargs.get("grpc_max_receive_message_length"),
+                ),
+            ],
+        )
+        grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
+        self._server.add_insecure_port(f"[::]:{self._port}")
+        await self._server.start()
+        await self._server.wait_for_termination()
+
+
+def drain_on_exit_signal(rest: RESTServer, state: ServerState) -> None:
+    """The moment uvicorn is told to stop (SIGTERM), readiness turns false and new requests
+    are refused while those in flight finish."""
+    uvicorn_server = rest._server  # noqa: SLF001
+    handle_exit = uvicorn_server.handle_exit
+
+    def draining_exit(sig: int, frame: FrameType | None) -> None:
+        if not state.draining:
+            logger.info("draining: readiness false, requests in flight finish")
+        state.draining = True
+        handle_exit(sig, frame)
+
+    uvicorn_server.handle_exit = draining_exit  # type: ignore[method-assign]
+
+
+def start_servers(server: ModelServer, sock: socket.socket, rules: Rules) -> None:
     """Serve REST on ``sock`` and gRPC on its port until a signal stops them."""
     rest = RESTServer(
         model_server.FASTAPI_APP_IMPORT_STRING,
@@ -72,17 +153,23 @@ def start_servers(server: ModelServer, sock: socket.socket) -> None:
         logging.getLogger("uvicorn.access").handlers = []
         model_server.app.add_middleware(AccessLoggerMiddleware, format=server.access_log_format)
         logging.getLogger("access").propagate = False
-    rest._register_endpoints(model_server.app)  # noqa: SLF001 - kserve has no public way to reuse them
+    with without_kserve_openai():
+        rest._register_endpoints(model_server.app)  # noqa: SLF001 - kserve has no public way to reuse them
+    if not rules.enable_repository:
+        prune_repository_routes(model_server.app)
     rest._add_exception_handlers(model_server.app)  # noqa: SLF001
+    install_error_handlers(model_server.app)  # ours win over KServe's
+    drain_on_exit_signal(rest, rules.state)
     server._rest_server = rest  # noqa: SLF001 - what ModelServer.stop looks for
     server.servers.append(rest._server.serve(sockets=[sock]))  # noqa: SLF001
     if server.enable_grpc:
-        grpc = GRPCServer(
+        grpc = PolicyGRPCServer(
             server.grpc_port,
             server.dataplane,
             server.model_repository_extension,
             kwargs=vars(model_server.args),
             grace_period=server.grace_period,
+            rules=rules,
         )
         server._grpc_server = grpc  # noqa: SLF001
         server.servers.append(grpc.start(server.max_threads))

@@ -9,20 +9,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer
 
 from .cli import ServerConfig
 from .errors import StartupError
+from .startup import STARTUP, importing, imports_done
 from .tasks import Task, infer_task
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: only when it loads
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +75,9 @@ def _download(model_id: str, revision: str | None, allow_patterns: list[str] | N
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(model_id, revision=revision, allow_patterns=allow_patterns))
+        with STARTUP.phase("download"):
+            path = snapshot_download(model_id, revision=revision, allow_patterns=allow_patterns)
+        return Path(path)
     except LocalEntryNotFoundError as exc:
         raise StartupError(
             f"model {model_id!r} (revision {revision or 'main'}) is not in the local cache "
@@ -124,9 +124,13 @@ def read_sentence_transformers_modules(path: Path) -> list[dict[str, Any]] | Non
 
 def load_source(config: ServerConfig) -> ModelSource:
     """Locate the model, read its config once and settle its task."""
+    imports_done()
     path, tokenizer_path = locate_model(config)
     try:
-        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        with STARTUP.phase("config"):
+            model_config = AutoConfig.from_pretrained(
+                path, trust_remote_code=config.trust_remote_code
+            )
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError(f"cannot read the model config in {path}: {exc}") from None
     modules = read_sentence_transformers_modules(path)
@@ -158,16 +162,19 @@ def load_pretrained(
     model_class: Any, source: ModelSource, config: ServerConfig, dtype: torch.dtype
 ) -> PreTrainedModel:
     """``model_class.from_pretrained`` on the model's folder, on this device, in eval mode."""
+    with STARTUP.phase("imports"), importing(freeze=True):
+        import transformers.modeling_utils  # noqa: F401 - the bulk of the model's code
     try:
-        model = model_class.from_pretrained(
-            source.path,
-            config=source.config,
-            dtype=dtype,
-            trust_remote_code=config.trust_remote_code,
-        )
+        with STARTUP.phase("weights"):
+            model = model_class.from_pretrained(
+                source.path,
+                config=source.config,
+                dtype=dtype,
+                trust_remote_code=config.trust_remote_code,
+            )
+            return model.to(device()).eval()
     except (OSError, ValueError) as exc:
         raise StartupError(f"cannot load the model in {source.path}: {exc}") from None
-    return model.to(device()).eval()
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -188,7 +195,8 @@ def load_tokenizer(source: ModelSource, config: ServerConfig) -> PreTrainedToken
     if config.encode_lower_case is not None:
         kwargs["do_lower_case"] = config.encode_lower_case
     try:
-        return AutoTokenizer.from_pretrained(source.tokenizer_path, **kwargs)
+        with STARTUP.phase("tokenizer"):
+            return AutoTokenizer.from_pretrained(source.tokenizer_path, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError(f"cannot load the tokenizer in {source.tokenizer_path}: {exc}") from None
 
@@ -196,6 +204,7 @@ def load_tokenizer(source: ModelSource, config: ServerConfig) -> PreTrainedToken
 def freeze_loaded_heap() -> None:
     """Move what was loaded (it lives as long as the server) out of the collector's way, so
     that a full collection under load no longer scans it (the event loop stalled 100s of ms)."""
-    gc.collect()
-    gc.freeze()
+    with STARTUP.phase("gc"):
+        gc.collect()
+        gc.freeze()
     atexit.register(gc.unfreeze)  # collected at exit as before (no leak reports at exit)

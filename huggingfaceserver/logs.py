@@ -12,6 +12,7 @@ written at once, in order.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import sys
 import threading
@@ -88,10 +89,49 @@ class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self.flush()
 
 
-def configure_logging() -> None:
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line (``--log_format json``) for log collectors: time (ISO 8601,
+    UTC), level, logger, pid, message, the request id where the line has one, and the
+    traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        moment = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        entry: dict[str, object] = {
+            "time": f"{moment}.{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            entry["request_id"] = request_id
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def formatter(log_format: str = "text") -> logging.Formatter:
+    if log_format == "json":
+        return JSONFormatter()
+    return logging.Formatter(LOG_FORMAT, DATE_FORMAT)
+
+
+def format_every_handler(log_format: str) -> None:
+    """Once KServe has configured its loggers: every handler in ``log_format`` (KServe's and
+    uvicorn's lines too, so that a collector reads one format)."""
+    if log_format != "json":
+        return
+    names = ["", "kserve", "kserve.trace", "uvicorn", "uvicorn.error", "huggingfaceserver"]
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            handler.setFormatter(JSONFormatter())
+
+
+def configure_logging(log_format: str = "text") -> None:
     """Our package's lines on stderr; uvicorn's access lines batched too (see the module)."""
     handler = BatchedStreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
+    handler.setFormatter(formatter(log_format))
     package_logger = logging.getLogger("huggingfaceserver")
     package_logger.handlers[:] = [handler]
     package_logger.setLevel(logging.INFO)
@@ -115,6 +155,14 @@ def batch_access_log() -> None:
         else:
             batched.append(handler)
     access.handlers[:] = batched
+
+
+def quiet_access_log() -> None:
+    """Once KServe has configured logging: no uvicorn access lines (the gateway writes one
+    line per request, with its id and duration)."""
+    access = logging.getLogger("uvicorn.access")
+    access.handlers[:] = []
+    access.propagate = False
 
 
 def flush_logs() -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import os
 import signal
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from kserve import ModelServer
 from kserve.constants.constants import INFERENCE_CONTENT_LENGTH_HEADER
 from kserve.predictor_config import PredictorConfig
@@ -18,39 +21,50 @@ from kserve.protocol.infer_type import InferRequest
 from kserve.protocol.rest.v2_datamodels import InferenceRequest
 from pydantic import ValidationError
 
+from . import metrics
 from ._kserve import model_server, sync_kserve_args
+from .admission import Admission, SharedSlots
 from .backends import BackendChoice, choose_backend
 from .backends.base import EncoderBackend, GenerationBackend
-from .backends.engine import EngineEncoder, EngineGenerator
-from .backends.remote import RemoteEncoder
-from .backends.transformers import TransformersEncoder
-from .backends.transformers_generation import TransformersGenerator
 from .cli import ServerConfig
-from .engine.client import EngineClient
 from .errors import (
     BadRequest,
     ServerError,
     StartupError,
     describe_validation_error,
-    server_error_handler,
-    validation_error_handler,
+    install_error_handlers,
 )
+from .gateway import Gateway, GatewayPolicy, ServerState
 from .layout import choose_layout
-from .listeners import http_socket, start_servers
+from .listeners import Rules, http_socket, start_servers
 from .loading import ModelSource, device, load_source, read_chat_template
-from .logs import batch_access_log
+from .logs import format_every_handler, quiet_access_log
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 from .protocols.openai.models import ServedModels
 from .protocols.openai.routes import mount_openai, route_prefix
+from .repository import SingleModelRepository
+from .startup import STARTUP
+
+if TYPE_CHECKING:
+    from .engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "HUGGINGFACESERVER_API_KEY"
 
 
 class ModelAwareDataPlane(DataPlane):
     """KServe's data plane, with readiness that waits for the model and lenient V2 bodies."""
 
+    def __init__(self, *args: Any, state: ServerState | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.state = state or ServerState()
+
     async def ready(self) -> bool:
-        """``/v2/health/ready`` and gRPC ServerReady: true only once every model is loaded."""
+        """``/v2/health/ready`` and gRPC ServerReady: true only once every model is loaded and
+        warmed up, and false again from the moment the server starts draining."""
+        if self.state.draining:
+            return False
         models = list(self.model_registry.get_models().values())
         return bool(models) and all(m.ready for m in models) and await super().ready()
 
@@ -75,21 +89,29 @@ def local_backend(
         if choice.name == "vllm":
             from .backends.vllm.generation import VLLMGenerator  # vLLM only when it serves
 
-            return VLLMGenerator(source, config)
+            return VLLMGenerator(source, config, choice.kv_cache_bytes)
+        from .backends.transformers_generation import TransformersGenerator
+
         return TransformersGenerator(source, config)
     if choice.name == "vllm":
         from .backends.vllm.embedding import VLLMEmbedder  # vLLM only when it serves
 
-        return VLLMEmbedder(source, config)
+        return VLLMEmbedder(source, config, choice.kv_cache_bytes)
     if config.server.get("predictor_host"):
+        from .backends.remote import RemoteEncoder
+
         return RemoteEncoder(source, config)
+    from .backends.transformers import TransformersEncoder  # each backend only when it serves
+
     return TransformersEncoder(source, config)
 
 
 def engine_local_backend(config: ServerConfig) -> EncoderBackend | GenerationBackend:
     """The engine process's backend: the model on transformers, in this process (the layout
-    splits only transformers-served models, see :func:`~.layout.choose_layout`)."""
-    source, choice = locate(config)
+    splits only transformers-served models, see :func:`~.layout.choose_layout`): pinned, so
+    that a backend choice that depends on the memory free now cannot differ from the
+    supervisor's."""
+    source, choice = locate(dataclasses.replace(config, backend="huggingface"))
     return local_backend(source, config, choice)
 
 
@@ -97,6 +119,8 @@ def engine_backend(
     source: ModelSource, config: ServerConfig, client: EngineClient
 ) -> EncoderBackend | GenerationBackend:
     """A front process's backend: the model runs in the engine process."""
+    from .backends.engine import EngineEncoder, EngineGenerator
+
     if source.task.is_generative:
         return EngineGenerator(source, config, client)
     return EngineEncoder(source, config, client)
@@ -111,7 +135,14 @@ def locate(config: ServerConfig) -> tuple[ModelSource, BackendChoice]:
             "for N front processes before one engine process"
         )
     source = load_source(config)
-    choice = choose_backend(config.backend, source.task, source.config.architectures or [])
+    from .backends.vllm.kv_cache import plan_kv_cache  # no vLLM import: asked only for vLLM
+
+    choice = choose_backend(
+        config.backend,
+        source.task,
+        source.config.architectures or [],
+        kv_cache=lambda: plan_kv_cache(source, config),
+    )
     logger.info("backend %s: %s", choice.name, choice.reason)
     return source, choice
 
@@ -135,11 +166,24 @@ def build_model(
         backend = engine_backend(source, config, client)
     if isinstance(backend, GenerationBackend):
         template = read_chat_template(config.chat_template)
-        return GenerationModel(config.model_name, source.task, backend, template)
+        return GenerationModel(
+            config.model_name,
+            source.task,
+            backend,
+            template,
+            trust_request_chat_template=config.trust_request_chat_template,
+            max_inputs_per_request=config.max_inputs_per_request,
+        )
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
     logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
-    return EncoderModel(config.model_name, source.task, backend, logging_)
+    return EncoderModel(
+        config.model_name,
+        source.task,
+        backend,
+        logging_,
+        max_inputs_per_request=config.max_inputs_per_request,
+    )
 
 
 def serve(config: ServerConfig) -> None:
@@ -153,6 +197,11 @@ def serve(config: ServerConfig) -> None:
         cuda=device().type == "cuda",
         cores=os.cpu_count() or 1,
     )
+    if layout.split and config.enable_model_repository:
+        raise StartupError(
+            "--enable_model_repository needs the single-process layout: the engine process "
+            "owns the model; run with --api_workers 1"
+        )
     if layout.split:
         logger.info(
             "%d front processes before one engine process (%s)", layout.api_workers, layout.reason
@@ -170,14 +219,8 @@ def adapter_names(model: BackendModel) -> list[str]:
     return list(getattr(model.backend, "adapters", {}))
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Our exceptions with their status, and 400 (not 422) for bodies that do not validate."""
-    app.add_exception_handler(ServerError, server_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_error_handler)
-
-
 class ModelLoader:
-    """Loads the model in the background, then watches its backend.
+    """Loads the model in the background, warms it up, then watches its backend.
 
     A load failure or a dead backend is kept in ``failures`` and shuts the server down the
     normal way (SIGTERM), so the process exits non-zero with our one-line error, not with the
@@ -187,33 +230,50 @@ class ModelLoader:
     def __init__(self, model: BackendModel):
         self.model = model
         self.failures: list[StartupError] = []
-        self.watcher: asyncio.Task[None] | None = None
+        self.watchers: dict[int, asyncio.Task[None]] = {}
 
-    def fail(self, exc: StartupError) -> None:
-        self.model.ready = False
+    def fail(self, model: BackendModel, exc: StartupError) -> None:
+        model.ready = False
         self.failures.append(exc)
         signal.raise_signal(signal.SIGTERM)
 
-    async def load(self) -> None:
-        """Load off the event loop while the server already answers health probes."""
+    async def load(self, model: BackendModel | None = None) -> None:
+        """Load off the event loop while the server already answers health probes; ready
+        after one warm-up inference."""
+        model = model or self.model
+        start = time.monotonic()
         try:
-            await self.model.backend.connect()
-            await asyncio.to_thread(self.model.load_backend)
+            await model.backend.connect()
+            await asyncio.to_thread(model.load_backend)
+            with STARTUP.phase("warm-up"):
+                await model.warm_up()
         except StartupError as exc:
-            self.fail(exc)
+            self.fail(model, exc)
             return
-        logger.info("model %s is ready", self.model.name)
-        self.watcher = asyncio.create_task(self.watch())
+        except ServerError as exc:  # the warm-up request itself was refused: a model problem
+            self.fail(model, StartupError(f"the warm-up inference failed: {exc}"))
+            return
+        model.ready = True
+        metrics.model_loaded(model.name, time.monotonic() - start)
+        logger.info("model %s is ready", model.name)
+        STARTUP.log_ready()
+        self.watchers[id(model)] = asyncio.create_task(self.watch(model))
 
-    async def watch(self) -> None:
+    def forget(self, model: BackendModel) -> None:
+        """Stop watching ``model`` (unloaded on request: its backend's end is no failure)."""
+        watcher = self.watchers.pop(id(model), None)
+        if watcher is not None:
+            watcher.cancel()
+
+    async def watch(self, model: BackendModel) -> None:
         try:
-            await self.model.backend.watch()
+            await model.backend.watch()
         except StartupError as exc:
             logger.error("%s", exc)
-            self.fail(exc)
+            self.fail(model, exc)
 
 
-def _model_server(config: ServerConfig) -> ModelServer:
+def _model_server(config: ServerConfig, state: ServerState) -> ModelServer:
     s: dict[str, Any] = config.server
     predictor = PredictorConfig(
         predictor_host=s["predictor_host"],
@@ -238,25 +298,95 @@ def _model_server(config: ServerConfig) -> ModelServer:
         predictor_config=predictor,
         ssl_certfile=s["ssl_certfile"],
         ssl_keyfile=s["ssl_keyfile"],
+        grace_period=max(1, math.ceil(config.shutdown_grace_seconds)),
     )
-    server.dataplane = ModelAwareDataPlane(model_registry=server.registered_models)
+    server.dataplane = ModelAwareDataPlane(model_registry=server.registered_models, state=state)
     return server
 
 
-def serve_model(model: BackendModel, config: ServerConfig, shared_port: bool = False) -> None:
+def api_key(config: ServerConfig, environ: dict[str, str] | None = None) -> str | None:
+    """``--api_key``, else ``$HUGGINGFACESERVER_API_KEY`` (kept out of the pod's args)."""
+    if config.api_key:
+        return config.api_key
+    value = (environ if environ is not None else os.environ).get(API_KEY_ENV, "").strip()
+    return value or None
+
+
+def install_gateway(app: FastAPI, config: ServerConfig, rules: Rules) -> None:
+    """The request rules around every route (:mod:`.gateway`), and CORS outside them."""
+    policy = GatewayPolicy(
+        api_key=rules.api_key,
+        max_request_bytes=config.max_request_bytes,
+        request_timeout_s=config.request_timeout_seconds,
+        log_requests=not config.disable_log_requests,
+        openai_prefix=route_prefix(),
+        model_name=config.model_name,
+    )
+    app.add_middleware(
+        Gateway,
+        policy=policy,
+        admission=rules.admission,
+        state=rules.state,
+        routes=lambda: app.router.routes,
+    )
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+        )
+
+
+def serve_model(
+    model: BackendModel,
+    config: ServerConfig,
+    shared_port: bool = False,
+    admission_slots: SharedSlots | None = None,
+) -> None:
     """Serve ``model`` over HTTP and gRPC until stopped: the whole server, or one front
-    process (``shared_port``: its HTTP port is shared with the other fronts)."""
+    process (``shared_port``: its HTTP port is shared with the other fronts, and
+    ``admission_slots`` the server-wide admission count)."""
     sync_kserve_args(config.server)
-    server = _model_server(config)
-    batch_access_log()  # KServe has configured logging by now
+    state = ServerState()
+    server = _model_server(config, state)
+    quiet_access_log()  # the gateway logs one line per request
+    format_every_handler(config.log_format)
     server.register_model(model)
     for adapter in adapter_names(model):
         server.register_model(model, name=adapter)
     install_error_handlers(model_server.app)
     mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
-    sock = http_socket(server.http_port, shared=shared_port)
     loader = ModelLoader(model)
+    rules = Rules(
+        Admission(config.max_concurrent_requests, admission_slots),
+        state,
+        api_key(config),
+        config.enable_model_repository,
+        not config.disable_log_requests,
+    )
+    install_gateway(model_server.app, config, rules)
+    if config.enable_model_repository:
+        server.model_repository_extension = repository_for(server, model, config, loader)
+    sock = http_socket(server.http_port, shared=shared_port)
     server.servers.append(loader.load())
-    start_servers(server, sock)
+    start_servers(server, sock, rules)
     if loader.failures:
         raise loader.failures[0]
+
+
+def repository_for(
+    server: ModelServer, model: BackendModel, config: ServerConfig, loader: ModelLoader
+) -> SingleModelRepository:
+    """Load and unload of the served model (``--enable_model_repository``)."""
+
+    async def start(new: BackendModel) -> None:
+        await loader.load(new)
+
+    def build() -> BackendModel:
+        return build_model(config)
+
+    repository = SingleModelRepository(server.registered_models, model.name, build, start)
+    repository.on_unload = loader.forget
+    return repository

@@ -22,14 +22,16 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from .admission import FileSlots
 from .cli import ServerConfig
 from .engine import STOP_SIGNAL
 from .errors import StartupError
+from .metrics import shared_across_processes
 
 logger = logging.getLogger(__name__)
 
-FRONT_STOP_S = 40.0
-"""How long fronts may drain after SIGTERM (KServe's grace period is 30 s) before SIGKILL."""
+FRONT_STOP_MARGIN_S = 10.0
+"""How much longer than ``--shutdown_grace_seconds`` fronts get after SIGTERM before SIGKILL."""
 ENGINE_STOP_S = 15.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
@@ -58,8 +60,11 @@ def run_processes(config: ServerConfig, fronts: int) -> None:
         check_port_free(config.server["grpc_port"], "gRPC")
     run_dir = tempfile.mkdtemp(prefix="huggingfaceserver-")
     wiring = Wiring(f"ipc://{run_dir}/engine.sock", run_dir, fronts)
+    metrics_dir = Path(run_dir, "metrics")
+    metrics_dir.mkdir()
     try:
-        ProcessGroup(config, wiring).run()
+        with shared_across_processes(str(metrics_dir)):  # /metrics sums over the children
+            ProcessGroup(config, wiring).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -71,10 +76,15 @@ class ProcessGroup:
         self.engine = context.Process(
             target=engine_main, args=(config, wiring), name="engine", daemon=False
         )
+        # admission is counted once for the server: the fronts share one counter
+        slots = FileSlots.create(str(Path(wiring.run_dir) / "admission"))
         self.fronts = [
-            context.Process(target=front_main, args=(config, wiring, index), name=f"front-{index}")
+            context.Process(
+                target=front_main, args=(config, wiring, index, slots), name=f"front-{index}"
+            )
             for index in range(wiring.fronts)
         ]
+        self.front_stop_s = config.shutdown_grace_seconds + FRONT_STOP_MARGIN_S
         self.stop_requested = False
 
     @property
@@ -140,7 +150,7 @@ class ProcessGroup:
     def _stop_all(self) -> None:
         """Fronts first (they drain, the engine still serving them), then the engine."""
         stops = (
-            (self.fronts, signal.SIGTERM, FRONT_STOP_S),
+            (self.fronts, signal.SIGTERM, self.front_stop_s),
             ([self.engine], STOP_SIGNAL, ENGINE_STOP_S),
         )
         for group, stop_signal, timeout in stops:
@@ -169,10 +179,10 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _child_setup() -> None:
+def _child_setup(config: ServerConfig) -> None:
     from .logs import configure_logging
 
-    configure_logging()
+    configure_logging(config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent leads
     exit_with_parent()
 
@@ -184,27 +194,36 @@ def _report(wiring: Wiring, name: str, exc: StartupError) -> None:
 
 def engine_main(config: ServerConfig, wiring: Wiring) -> None:
     """The engine process: load the model, serve the fronts until SIGTERM."""
-    _child_setup()
+    _child_setup(config)
     from .engine.process import serve_engine
     from .server import engine_local_backend
 
     try:
-        serve_engine(engine_local_backend(config), wiring.address, wiring.fronts)
+        serve_engine(engine_local_backend(config), wiring.address, wiring.fronts, config.model_name)
     except StartupError as exc:
         _report(wiring, "engine", exc)
         raise SystemExit(1) from None
 
 
-def front_main(config: ServerConfig, wiring: Wiring, index: int) -> None:
+def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str) -> None:
     """A front process: HTTP and gRPC on the shared ports, the model in the engine."""
-    _child_setup()
-    from .engine.client import EngineClient
-    from .server import build_model, serve_model
+    _child_setup(config)
+    from .startup import importing
+
+    with importing(freeze=True):
+        from ._kserve import model_server
+        from .engine.client import EngineClient
+        from .metrics import mount
+        from .server import build_model, serve_model
+
+    mount(model_server.app)  # every process's metrics, ahead of KServe's route (this one's)
 
     name = f"front-{index}"
     try:
         client = EngineClient(wiring.address, index, wiring.fronts)
-        serve_model(build_model(config, client=client), config, shared_port=True)
+        model = build_model(config, client=client)
+        shared = FileSlots(slots, config.max_concurrent_requests)
+        serve_model(model, config, shared_port=True, admission_slots=shared)
     except StartupError as exc:
         _report(wiring, name, exc)
         raise SystemExit(1) from None

@@ -7,12 +7,18 @@ JSON object from its stdout.
     python tests/grpc_client.py HOST:PORT MODEL infer TEXT...   -> {"server_ready", "model_ready",
                                                                     "datatype", "shape", "data"}
     python tests/grpc_client.py HOST:PORT MODEL infer-int64      -> {"status", "message"}
+    python tests/grpc_client.py HOST:PORT MODEL status TEXT...   -> {"status", "message"}
+    python tests/grpc_client.py HOST:PORT MODEL unload           -> {"status", "message"}
+
+With ``GRPC_API_KEY`` set, every call sends ``authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -44,10 +50,29 @@ def infer_int64(client: grpcclient.InferenceServerClient, model: str) -> dict:
     return {"status": "OK", "message": ""}
 
 
+def outcome(call: Callable[[], object]) -> dict:
+    try:
+        call()
+    except InferenceServerException as exc:
+        return {"status": exc.status(), "message": exc.message()}
+    return {"status": "OK", "message": ""}
+
+
 def main(argv: list[str]) -> None:
     url, model, mode, *texts = argv
+    key = os.environ.get("GRPC_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else None
     client = grpcclient.InferenceServerClient(url)
-    result = infer_texts(client, model, texts) if mode == "infer" else infer_int64(client, model)
+    if mode == "infer":
+        result = infer_texts(client, model, texts)
+    elif mode == "infer-int64":
+        result = infer_int64(client, model)
+    elif mode == "status":
+        text = grpcclient.InferInput("input-0", [len(texts)], "BYTES")
+        text.set_data_from_numpy(np.array(texts, dtype=object))
+        result = outcome(lambda: client.infer(model, [text], headers=headers))
+    else:
+        result = outcome(lambda: client.unload_model(model, headers=headers))
     print(json.dumps(result))
 
 

@@ -21,6 +21,7 @@ from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 from kserve.protocol.rest.server import RESTServer
 
+from huggingfaceserver._kserve import without_kserve_openai
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from huggingfaceserver.protocols.openai.models import ServedModels
@@ -39,7 +40,8 @@ def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     mount_openai(app, ServedModels(registry), openai_prefix)
-    rest._register_endpoints(app)  # noqa: SLF001 - kserve has no public way to reuse them
+    with without_kserve_openai():  # as the server does (see huggingfaceserver.listeners)
+        rest._register_endpoints(app)  # noqa: SLF001 - kserve has no public way to reuse them
     rest._add_exception_handlers(app)  # noqa: SLF001
     install_error_handlers(app)  # ours win over kserve's InvalidInput handler
     return app
@@ -48,6 +50,7 @@ def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
 def load_model(argv: Sequence[str]) -> BackendModel:
     model = build_model(parse_args(list(argv)))
     model.load_backend()
+    model.ready = True  # the server warms up first (ModelLoader); tests need not
     return model
 
 

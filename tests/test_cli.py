@@ -102,7 +102,10 @@ OWN_FLAGS = {
     "request_timeout_seconds": ("2.5", 2.5),
     "shutdown_grace_seconds": ("10", 10.0),
     "api_key": ("s3cret", "s3cret"),
-    "allowed_origins": ("https://a.example, https://b.example", ("https://a.example", "https://b.example")),
+    "allowed_origins": (
+        "https://a.example, https://b.example",
+        ("https://a.example", "https://b.example"),
+    ),
 }
 
 

@@ -17,6 +17,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.harness import REPO, free_port, run_server
+from tests.prometheus import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -184,6 +185,40 @@ def test_openai_sdk_embeddings_and_rerank(server, v1_embeddings):
     assert rerank["results"][0]["index"] == 0
     cosine = float(v1_embeddings[0] @ v1_embeddings[1])
     assert rerank["results"][0]["relevance_score"] == pytest.approx(cosine, abs=1e-5)
+
+
+def test_ready_logs_one_startup_line_with_its_phases(server, layout):
+    """Cold start, phase by phase: what imports, the config, the weights (loaded in this
+    process in the one-process layout, in the engine otherwise) and the warm-up took."""
+    line = server.wait_for_log(r"startup: imports [\d.]+ s, config .*ready [\d.]+ s after start")
+    assert "warm-up" in line.group(0)
+    if layout == ["--api_workers", "1"]:
+        assert " weights " in line.group(0)
+
+
+def test_metrics_count_each_request_once_summed_over_processes(server, layout):
+    """``/metrics`` from whichever process answers: with two fronts, each front's KServe
+    histograms and the engine's batch figures, summed (each request on a new connection, so
+    the kernel spreads them over the fronts; the front that answers never batched)."""
+    before = scrape(server.url)
+    for _ in range(6):
+        response = httpx.post(
+            f"{server.url}/v1/models/minilm:predict", json={"instances": SENTENCES}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+    after = scrape(server.url)
+
+    def moved(name: str, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    for stage in ("preprocess", "predict", "postprocess"):
+        assert moved(f"request_{stage}_seconds_count", model_name="minilm") == 6
+    assert moved("hfserver_encoder_queue_time_seconds_count") == 6
+    assert moved("hfserver_encoder_batch_size_sum") == 6 * len(SENTENCES)
+    assert after.value("hfserver_requests_queued") == 0
+    assert after.type_lines("request_predict_seconds") == 1
+    if layout[-1] == "2":  # the engine process times its load
+        assert after.value("hfserver_model_load_seconds", model_name="minilm") > 0
 
 
 def test_sigterm_stops_the_server_with_status_0(tiny_models, tmp_path):

@@ -21,6 +21,7 @@ from transformers import (
 from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
 from tests.harness import ServerProcess, run_server
 from tests.openai_checks import Reference, check_streamed_chat_adds_up, middle_substring
+from tests.prometheus import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +83,30 @@ def test_completions(client, reference):
     prompt_ids = reference.tokenizer("Hello world")["input_ids"]
     assert choice.text == reference.text(reference.greedy(prompt_ids, 12))
     assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_generation_metrics_under_vllms_names(server, client, reference):
+    """The decode loop's figures (in the engine process with two fronts), labelled as vLLM
+    labels them, so that vLLM's dashboards and KEDA rules read them."""
+    labels = {"model_name": "llama", "engine": "0"}
+    before = scrape(server.url)
+    response = client.completions.create(
+        model="llama", prompt="Hello world", max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].finish_reason == "length"
+    after = scrape(server.url)
+
+    def moved(name: str, **more: str) -> float:
+        return after.value(name, **labels, **more) - before.value(name, **labels, **more)
+
+    assert moved("vllm:prompt_tokens_total") == len(reference.tokenizer("Hello world")["input_ids"])
+    assert moved("vllm:generation_tokens_total") == 6
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert moved("vllm:inter_token_latency_seconds_count") == 5
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert after.value("vllm:num_requests_waiting", **labels) == 0
+    assert after.type_lines("vllm:num_requests_waiting") == 1
 
 
 def test_chat(client, reference):

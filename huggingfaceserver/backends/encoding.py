@@ -5,6 +5,9 @@ fast one, configured once as transformers configures it per call (truncation to 
 length, special tokens, the same outputs), which gives the same ids at a fraction of the cost
 of ``tokenizer(...)`` and its padded tensors. Other tokenizers go through transformers.
 Padding happens later, once rows of many requests are merged (:func:`.batching.collate`).
+A text far longer than the maximum is cut first to a window that tokenizes to the same first
+tokens (:mod:`.long_inputs`), so that its cost is bounded. With ``--no_truncation`` nothing is
+truncated: an input over the maximum is refused (:class:`InputTooLong`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
 
+from .long_inputs import Cut, InputTooLong, LongInputs
+
 try:  # the class of transformers 5's plain fast tokenizers
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 except ImportError:  # pragma: no cover - a transformers release without it: no fast path
@@ -24,30 +29,40 @@ except ImportError:  # pragma: no cover - a transformers release without it: no 
 FEW_INPUTS = 4
 """Up to this many inputs are encoded one by one, more in one parallel batch."""
 
+INPUT_NAME = "input {}"
+PAIR_NAME = "pair {0} (the query and document {0})"
+"""How a refusal names an input or a pair, by its index."""
+
 Row = dict[str, np.ndarray]
 """One instance's model inputs (``input_ids``, ``token_type_ids``, ``offset_mapping``...),
 unpadded; the attention mask is made when rows are merged."""
 
 
-def rust_tokenizer(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer | None:
+def rust_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool = True
+) -> Tokenizer | None:
     """A private copy of the Rust tokenizer, set up as transformers sets it for
-    ``tokenizer(..., truncation=True, max_length=max_length)``; None when transformers does
-    more than that for this tokenizer (a slow tokenizer, or one that overrides encoding)."""
+    ``tokenizer(..., truncation=truncate, max_length=max_length)``; None when transformers
+    does more than that for this tokenizer (a slow tokenizer, or one that overrides
+    encoding)."""
     if TokenizersBackend is None or not getattr(tokenizer, "is_fast", False):
         return None
     if type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus:
         return None
     rust = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     rust.no_padding()
-    rust.enable_truncation(
-        max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side
-    )
+    rust.no_truncation()
+    if truncate:
+        rust.enable_truncation(
+            max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side
+        )
     rust.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
     return rust
 
 
 class InputEncoder:
-    """Texts, text pairs or token ids -> :data:`Row` s, checked by nothing (callers check)."""
+    """Texts, text pairs or token ids -> :data:`Row` s. Texts are truncated to the maximum
+    length, or refused beyond it (``truncate=False``); token ids are checked by the caller."""
 
     def __init__(
         self,
@@ -56,20 +71,73 @@ class InputEncoder:
         add_special_tokens: bool = True,
         token_type_ids: bool = False,
         offsets: bool = False,
+        truncate: bool = True,
     ):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.add_special_tokens = add_special_tokens
         self.token_type_ids = token_type_ids or "token_type_ids" in tokenizer.model_input_names
         self.offsets = offsets
-        self.rust = rust_tokenizer(tokenizer, max_length)
+        self.truncate = truncate
+        self.rust = rust_tokenizer(tokenizer, max_length, truncate)
+        self.long: LongInputs | None = None
+        if self.rust is not None and tokenizer.truncation_side == "right":
+            # a window (the text's start) holds the first tokens: truncation on the right only
+            self.long = LongInputs(self.rust)
+        self.single_specials = tokenizer.num_special_tokens_to_add(pair=False)
+        self.pair_specials = tokenizer.num_special_tokens_to_add(pair=True)
 
     def texts(self, texts: Sequence[str]) -> list[Row]:
-        return self._encode(list(texts), self.add_special_tokens)
+        """Texts, each on its own (as the embedding and classification tasks read them)."""
+        specials = self.single_specials if self.add_special_tokens else 0
+        cuts = [self.cut(text, self.max_length - specials + 1) for text in texts]
+        for index, cut in enumerate(cuts):
+            self.refuse_cut(cut, INPUT_NAME.format(index), index, specials)
+        rows = self._encode([cut.text for cut in cuts], self.add_special_tokens)
+        self.refuse_long(rows, INPUT_NAME)
+        return rows
 
     def pairs(self, query: str, documents: Sequence[str]) -> list[Row]:
         """(query, document) pairs, as a cross-encoder reads them."""
-        return self._encode([(query, document) for document in documents], True)
+        needed = self.max_length - self.pair_specials + 1
+        query_cut = self.cut(query, needed)
+        self.refuse_cut(query_cut, "the query", 0, self.pair_specials)
+        if query_cut.settled is None and self.long is not None:
+            # Truncation shortens the longer side of a pair first: a document cut to a window
+            # must stay longer than the query, as the whole document is. (With both sides cut
+            # and an odd number of tokens to share, which side keeps the odd one may differ
+            # from truncating both whole: no window tells which is longer.)
+            window = self.long.first_window(needed)
+            if any(len(document) > window for document in documents):
+                needed = max(needed, self.long.count(query) + 1)
+        cuts = [self.cut(document, needed) for document in documents]
+        for index, cut in enumerate(cuts):
+            self.refuse_cut(cut, PAIR_NAME.format(index), index, self.pair_specials)
+        rows = self._encode([(query_cut.text, cut.text) for cut in cuts], True)
+        self.refuse_long(rows, PAIR_NAME)
+        return rows
+
+    def cut(self, text: str, needed: int) -> Cut:
+        """``text``, or the window of it that holds its first ``needed`` tokens (with
+        truncation on the right, any more would be cut off)."""
+        if self.long is None:
+            return Cut(text)
+        return self.long.cut(text, needed)
+
+    def refuse_cut(self, cut: Cut, what: str, index: int, specials: int) -> None:
+        """Without truncation, a text cut to a window is over the maximum."""
+        if not self.truncate and cut.settled is not None:
+            raise InputTooLong(what, index, cut.settled + specials, self.max_length, True)
+
+    def refuse_long(self, rows: list[Row], name: str) -> None:
+        """Without truncation, a row over the maximum is refused (``name``: the row's name,
+        its index to be formatted in)."""
+        if self.truncate:
+            return
+        for index, row in enumerate(rows):
+            if len(row["input_ids"]) > self.max_length:
+                tokens = len(row["input_ids"])
+                raise InputTooLong(name.format(index), index, tokens, self.max_length)
 
     def token_ids(self, inputs: Sequence[Sequence[int]]) -> list[Row]:
         """Token ids used as they are (no special tokens added)."""
@@ -112,11 +180,13 @@ class InputEncoder:
         """Through transformers (tokenizers without a plain Rust backend)."""
         if inputs and isinstance(inputs[0], tuple):
             first, second = [list(side) for side in zip(*inputs, strict=True)]
-            encoded = self.tokenizer(first, second, truncation=True, max_length=self.max_length)
+            encoded = self.tokenizer(
+                first, second, truncation=self.truncate, max_length=self.max_length
+            )
         else:
             encoded = self.tokenizer(
                 inputs,
-                truncation=True,
+                truncation=self.truncate,
                 max_length=self.max_length,
                 add_special_tokens=add_special_tokens,
                 return_token_type_ids=self.token_type_ids or None,

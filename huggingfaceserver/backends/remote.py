@@ -36,6 +36,7 @@ Send = Callable[[InferRequest], Awaitable[InferResponse]]
 
 class RemoteEncoder(TokenizingEncoder):
     name = "remote"
+    warms_up = False  # the predictor is served and probed on its own
 
     def __init__(self, source: ModelSource, config: ServerConfig):
         super().__init__(source, config)

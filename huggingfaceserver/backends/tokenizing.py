@@ -116,6 +116,7 @@ class TokenizingEncoder(EncoderBackend):
             add_special_tokens=not self.config.disable_special_tokens,
             token_type_ids=self.config.return_token_type_ids,
             offsets=self.task.needs_offsets,
+            truncate=not self.config.no_truncation,
         )
         self.load_model()
         pad_values = {
@@ -127,7 +128,7 @@ class TokenizingEncoder(EncoderBackend):
             self.config.max_batch_size,
             self.config.batch_wait_ms / 1000,
         )
-        self.batcher = EncoderBatcher(self.run_rows, pad_values, limits)
+        self.batcher = EncoderBatcher(self.run_rows, pad_values, limits, self.config.model_name)
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""

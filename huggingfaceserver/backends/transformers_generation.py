@@ -33,6 +33,7 @@ from .base import GenerationBackend
 from .continuous_batching import ContinuousBatcher, Request
 from .decode_batch import CausalLMBatch, DecodeBatch, Seq2SeqBatch
 from .tokenizing import UNSET_MAX_LENGTH
+from .transformers import CALIBRATION_SHAPE, calibrate_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,30 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
-        self.batcher = ContinuousBatcher(self.new_batch, self.config.max_batch_size)
+        self.batcher = ContinuousBatcher(
+            self.new_batch, self.config.max_batch_size, self.config.model_name
+        )
+
+    def tune(self) -> None:
+        """On CPU, torch's intra-op threads only where they make a forward pass faster (as for
+        encoders: on a small model or a busy CPU their spin-waits made each decode step 10 to
+        45 times slower), decided on the decode thread, which runs every forward pass."""
+        if self.device.type != "cpu":
+            return
+        rows, tokens = CALIBRATION_SHAPE
+        ids = torch.randint(
+            0, self.vocab_size, (rows, min(tokens, self.max_model_len)), generator=torch.Generator()
+        )
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.is_encoder_decoder:
+            inputs["decoder_input_ids"] = torch.full((rows, 1), self.decoder_start_token_id or 0)
+
+        def forward() -> None:
+            with torch.inference_mode():
+                self.model(**inputs)
+
+        threads = self.batcher.run_on_loop(lambda: calibrate_cpu_threads(forward))
+        logger.info("intra-op threads: %s", threads)
 
     def _decoder_start_token_id(self) -> int | None:
         if not self.is_encoder_decoder:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..backends.transformers_generation import TransformersGenerator
 from ..errors import NotReady, ServerError
 from ..generation.params import ChoiceDelta
 from ..loading import freeze_loaded_heap
+from ..metrics import model_loaded
 from . import STOP_SIGNAL
 from .channel import Channel, new_socket
 from .messages import (
@@ -53,10 +55,17 @@ Key = tuple[bytes, int]
 class Engine:
     """Serves one loaded backend to the fronts that connect to ``address``."""
 
-    def __init__(self, backend: EncoderBackend | GenerationBackend, address: str, fronts: int):
+    def __init__(
+        self,
+        backend: EncoderBackend | GenerationBackend,
+        address: str,
+        fronts: int,
+        model_name: str = "model",
+    ):
         self.backend = backend
         self.address = address
         self.expected_fronts = fronts
+        self.model_name = model_name
         self.loaded = False
         self.fronts: dict[bytes, int] = {}
         self.all_fronts = asyncio.Event()
@@ -94,6 +103,7 @@ class Engine:
             context.destroy(linger=0)
 
     async def load(self) -> None:
+        started = time.perf_counter()
         await asyncio.to_thread(self.backend.load)
         # timings are only worth taking once the fronts have started (they import and load
         # tokenizers meanwhile, on the same cores) and wait for the engine
@@ -102,6 +112,7 @@ class Engine:
         await asyncio.to_thread(self.backend.tune)
         freeze_loaded_heap()
         self.loaded = True
+        model_loaded(self.model_name, time.perf_counter() - started)
         logger.info("engine: model loaded; %d front(s) connected", len(self.fronts))
         self.broadcast()
 
@@ -196,8 +207,10 @@ class Engine:
             request.cancelled = True
 
 
-def serve_engine(backend: EncoderBackend | GenerationBackend, address: str, fronts: int) -> None:
+def serve_engine(
+    backend: EncoderBackend | GenerationBackend, address: str, fronts: int, model_name: str
+) -> None:
     """Run the engine in this process until :data:`STOP_SIGNAL` (see :class:`Engine`)."""
     for ignored in (signal.SIGTERM, signal.SIGINT):
         signal.signal(ignored, signal.SIG_IGN)
-    asyncio.run(Engine(backend, address, fronts).run())
+    asyncio.run(Engine(backend, address, fronts, model_name).run())

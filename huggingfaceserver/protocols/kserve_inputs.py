@@ -1,4 +1,8 @@
-"""Texts out of KServe V1 bodies and Open Inference Protocol (V2) requests, checked."""
+"""Texts out of KServe V1 bodies and Open Inference Protocol (V2) requests, checked.
+
+The number of texts is checked against ``--max_inputs_per_request`` first, before any of
+them is decoded.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import orjson
 from kserve.protocol.infer_type import InferRequest
 
 from ..errors import BadRequest
+from .limits import check_input_count
 
 
 def _check_texts(values: list[Any], where: str) -> list[str]:
@@ -29,7 +34,7 @@ def _check_texts(values: list[Any], where: str) -> list[str]:
     return texts
 
 
-def texts_from_v1(payload: Any) -> list[str]:
+def texts_from_v1(payload: Any, max_inputs: int) -> list[str]:
     """``{"instances": [...]}`` (or ``{"inputs": [...]}``) -> texts.
 
     KServe hands over the raw bytes when the content type is not JSON (curl's default form
@@ -49,11 +54,12 @@ def texts_from_v1(payload: Any) -> list[str]:
                 values = [values]
             if not isinstance(values, list):
                 raise BadRequest(f'"{key}" must be a list of strings')
+            check_input_count(len(values), max_inputs, key)
             return _check_texts(values, key)
     raise BadRequest('request body needs "instances" (a list of strings)')
 
 
-def texts_from_v2(request: InferRequest) -> list[str]:
+def texts_from_v2(request: InferRequest, max_inputs: int) -> list[str]:
     """One BYTES input of shape ``[N]`` (or ``[N, 1]``) -> N texts."""
     if len(request.inputs) != 1:
         raise BadRequest(f"expected exactly one input tensor of texts, got {len(request.inputs)}")
@@ -64,6 +70,10 @@ def texts_from_v2(request: InferRequest) -> list[str]:
     shape = list(tensor.shape)
     if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
         raise BadRequest(f"{name} must have shape [N] or [N, 1], got {shape}")
+    check_input_count(int(shape[0]), max_inputs, "texts")
+    data = tensor.data
+    if isinstance(data, list):  # REST: decoded JSON, which the shape may understate
+        check_input_count(len(data), max_inputs, "texts")
     try:
         array = tensor.as_numpy()
     except (ValueError, TypeError) as exc:

@@ -14,7 +14,9 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..errors import BadRequest
+from ..generation.params import SamplingParams
 from ..loading import freeze_loaded_heap
+from ..startup import STARTUP
 from ..tasks import Task
 from .kserve_inputs import texts_from_v1, texts_from_v2
 
@@ -54,6 +56,8 @@ class BackendModel(Model):
     """A backend registered with KServe: listed, health-checked, loaded once in the background."""
 
     backend: EncoderBackend | GenerationBackend
+    max_inputs_per_request: int
+    """Texts or prompts per request (``--max_inputs_per_request``)."""
 
     def __init__(self, name: str, task: Task):
         super().__init__(name)
@@ -66,11 +70,18 @@ class BackendModel(Model):
         return True
 
     def load_backend(self) -> None:
-        """Blocking: load tokenizer and weights, then report ready."""
+        """Blocking: load tokenizer and weights (ready only after :meth:`warm_up`)."""
         self.backend.load()
-        self.backend.tune()
+        with STARTUP.phase("tune"):
+            self.backend.tune()
         freeze_loaded_heap()
-        self.ready = True
+
+    async def warm_up(self) -> None:
+        """One inference through the whole serving path before readiness: the first request
+        pays for lazy initialisation (kernels, caches, threads), not a user's."""
+
+    async def explain(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
+        raise BadRequest(f"model {self.name} has no explainer: use :predict")
 
     def stop(self) -> None:
         """KServe calls this on shutdown, once per name the model is registered under."""
@@ -81,12 +92,30 @@ class BackendModel(Model):
 class GenerationModel(BackendModel):
     """A generative model: served on the OpenAI routes; KServe V1/V2 inference is refused."""
 
+    backend: GenerationBackend
+
     def __init__(
-        self, name: str, task: Task, backend: GenerationBackend, chat_template: str | None
+        self,
+        name: str,
+        task: Task,
+        backend: GenerationBackend,
+        chat_template: str | None,
+        trust_request_chat_template: bool = False,
+        max_inputs_per_request: int = 1024,
     ):
         super().__init__(name, task)
         self.backend = backend
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+        """Render ``chat_template`` sent in requests (sandboxed); refuse it otherwise."""
+        self.max_inputs_per_request = max_inputs_per_request
+        """Prompts (and prompts times ``n``) per completion request."""
+
+    async def warm_up(self) -> None:
+        ids = self.backend.tokenizer("Hello", add_special_tokens=True)["input_ids"] or [0]
+        ids = ids[: max(1, self.backend.max_model_len - 1)]
+        async for _ in self.backend.generate(list(ids), SamplingParams(max_tokens=1)):
+            pass
 
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
         raise BadRequest(
@@ -100,10 +129,25 @@ class EncoderModel(BackendModel):
 
     backend: EncoderBackend
 
-    def __init__(self, name: str, task: Task, backend: EncoderBackend, logging_: RequestLogging):
+    def __init__(
+        self,
+        name: str,
+        task: Task,
+        backend: EncoderBackend,
+        logging_: RequestLogging,
+        max_inputs_per_request: int = 1024,
+    ):
         super().__init__(name, task)
         self.backend = backend
         self.request_logging = logging_
+        self.max_inputs_per_request = max_inputs_per_request
+
+    async def warm_up(self) -> None:
+        if not self.backend.warms_up:
+            return
+        mask = getattr(getattr(self.backend, "tokenizer", None), "mask_token", None)
+        text = f"Hello {mask} world" if self.task is Task.fill_mask and mask else "Hello world"
+        await self.backend.infer([text])
 
     def get_input_types(self) -> list[dict[str, Any]]:
         return [{"name": "input-0", "datatype": "BYTES", "shape": [-1]}]
@@ -115,10 +159,12 @@ class EncoderModel(BackendModel):
         headers = headers or {}
         if isinstance(payload, InferRequest):
             request_id = payload.id or headers.get("x-request-id") or new_request_id()
-            call = EncoderCall(request_id, texts_from_v2(payload), v2=payload)
+            texts = texts_from_v2(payload, self.max_inputs_per_request)
+            call = EncoderCall(request_id, texts, v2=payload)
         else:
             request_id = headers.get("x-request-id") or new_request_id()
-            call = EncoderCall(request_id, texts_from_v1(payload))
+            texts = texts_from_v1(payload, self.max_inputs_per_request)
+            call = EncoderCall(request_id, texts)
         if self.request_logging.enabled:
             logger.info("%s", self.request_logging.line(call, self.name))
         return call

@@ -175,3 +175,32 @@ def test_run_on_worker_runs_on_the_batch_thread_and_returns_or_raises():
     with pytest.raises(ZeroDivisionError):
         batcher.run_on_worker(lambda: 1 / 0)
     assert batcher.run_on_worker(lambda: 42) == 42  # the worker went on
+
+
+async def test_a_request_cancelled_before_its_batch_runs_leaves_the_queue(tiny_models):
+    """A client that leaves (or runs past its deadline) frees its rows: the batcher skips them."""
+    import threading
+
+    model = load_model(
+        ["--model_dir", str(tiny_models["bert_sequence_classification"]), "--model_name", "m"]
+    )
+    shapes = forward_shapes(model)
+    batcher = model.backend.batcher
+    hold, held = threading.Event(), threading.Event()
+
+    def busy() -> None:  # the batcher's thread, kept busy until the test lets it go
+        held.set()
+        hold.wait(30)
+
+    holding = asyncio.get_running_loop().run_in_executor(None, batcher.run_on_worker, busy)
+    assert await asyncio.to_thread(held.wait, 30)
+    left = asyncio.ensure_future(model.backend.infer(["a long text " * 8]))
+    stays = asyncio.ensure_future(model.backend.infer(["short"]))
+    await asyncio.sleep(0.05)
+    left.cancel()
+    await asyncio.sleep(0.05)  # the future's done-callbacks run on the loop
+    hold.set()
+    await holding
+    assert len(await stays) == 1
+    assert left.cancelled()
+    assert len(shapes) == 1 and shapes[0][0] == 1  # one forward, of the one row that stayed

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from huggingfaceserver.backends import choose_backend
+from huggingfaceserver.backends.vllm.kv_cache import KvCachePlan
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.tasks import Task
 
@@ -78,3 +79,71 @@ def test_huggingface_requested_is_always_huggingface(task, vllm_installed):
     choice = choose_backend("huggingface", task, LLAMA, installed(vllm_installed), supports(*LLAMA))
     assert choice.name == "huggingface"
     assert choice.reason
+
+
+# --- vLLM's KV cache (backends/vllm/kv_cache.py) --------------------------------------------
+
+FITS = KvCachePlan(16 * 1024 * 1024, "KV cache 16 MiB, room for 128 of 128 sequences")
+TOO_BIG = KvCachePlan(
+    0, "one 131072-token sequence needs 8.00 GiB of KV cache and 2.00 GiB is left"
+)
+
+
+def plan(value: KvCachePlan | None) -> Callable[[], KvCachePlan | None]:
+    return lambda: value
+
+
+def never_asked() -> KvCachePlan | None:
+    raise AssertionError("the KV cache matters only where vLLM would serve")
+
+
+@pytest.mark.parametrize("requested", ["auto", "vllm"])
+def test_vllm_gets_the_kv_cache_we_sized_and_says_so(requested):
+    choice = choose_backend(
+        requested, Task.text_generation, LLAMA, installed(True), supports(*LLAMA), plan(FITS)
+    )
+    assert choice.name == "vllm"
+    assert choice.kv_cache_bytes == FITS.size
+    assert choice.reason.endswith("; " + FITS.reason)
+
+
+@pytest.mark.parametrize("requested", ["auto", "vllm"])
+def test_vllm_sizes_the_kv_cache_itself_when_we_do_not(requested):
+    choice = choose_backend(
+        requested, Task.text_generation, LLAMA, installed(True), supports(*LLAMA), plan(None)
+    )
+    assert (choice.name, choice.kv_cache_bytes) == ("vllm", None)
+
+
+def test_auto_falls_back_to_transformers_when_the_kv_cache_does_not_fit():
+    choice = choose_backend(
+        "auto", Task.text_generation, LLAMA, installed(True), supports(*LLAMA), plan(TOO_BIG)
+    )
+    assert (choice.name, choice.kv_cache_bytes) == ("huggingface", None)
+    assert choice.reason == (
+        "vLLM supports LlamaForCausalLM, but its KV cache does not fit: " + TOO_BIG.reason
+    )
+
+
+def test_vllm_requested_without_room_for_its_kv_cache_says_what_to_set():
+    with pytest.raises(StartupError) as error:
+        choose_backend(
+            "vllm", Task.text_generation, LLAMA, installed(True), supports(*LLAMA), plan(TOO_BIG)
+        )
+    message = str(error.value)
+    assert message.startswith("--backend vllm: vLLM's KV cache does not fit: " + TOO_BIG.reason)
+    assert "VLLM_CPU_KVCACHE_SPACE" in message and "--kv-cache-memory-bytes" in message
+    assert "--max_model_len" in message
+
+
+@pytest.mark.parametrize(
+    ("requested", "task", "known"),
+    [
+        ("huggingface", Task.text_generation, LLAMA),
+        ("auto", Task.text_embedding, LLAMA),
+        ("auto", Task.text_generation, ["OtherForCausalLM"]),
+    ],
+)
+def test_the_kv_cache_is_not_sized_where_vllm_does_not_serve(requested, task, known):
+    choice = choose_backend(requested, task, LLAMA, installed(True), supports(*known), never_asked)
+    assert choice.name == "huggingface"

@@ -51,6 +51,10 @@ async def test_ready_only_after_the_model_is_loaded(tiny_models):
         assert not model.ready, "a request must not load the model (on the event loop)"
 
         await asyncio.to_thread(model.load_backend)
+        loaded = await client.get("/v2/health/ready")
+        assert loaded.status_code == 503, "ready only after the warm-up inference"
+        await model.warm_up()  # what the server's loader does next, before it says ready
+        model.ready = True
 
         ready = await client.get("/v2/health/ready")
         assert (ready.status_code, ready.json()) == (200, {"ready": True})

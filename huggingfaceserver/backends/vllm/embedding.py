@@ -18,6 +18,7 @@ from ...errors import BadRequest, StartupError
 from ...loading import ModelSource, load_tokenizer
 from ...tasks import Task
 from ..base import EncoderBackend, EncoderInputs
+from ..encoding import InputEncoder
 from ..tokenizing import check_token_inputs, resolve_max_length
 from . import compat
 from .engine import EngineHolder
@@ -27,7 +28,9 @@ from .engine_args import build_engine_args
 class VLLMEmbedder(EngineHolder, EncoderBackend):
     name = "vllm"
 
-    def __init__(self, source: ModelSource, config: ServerConfig):
+    def __init__(
+        self, source: ModelSource, config: ServerConfig, kv_cache_bytes: int | None = None
+    ):
         if source.task is not Task.text_embedding:
             raise StartupError(
                 f"the vLLM backend serves text_embedding among encoder tasks, not "
@@ -35,7 +38,7 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
             )
         self.source = source
         self.config = config
-        self.engine_args = build_engine_args(source, config)
+        self.engine_args = build_engine_args(source, config, kv_cache_bytes)
 
     def load(self) -> None:
         self.tokenizer = load_tokenizer(self.source, self.config)
@@ -44,18 +47,20 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         self.max_length = resolve_max_length(
             self.config.max_length, self.tokenizer, self.source.config
         )
+        self.encoder = InputEncoder(
+            self.tokenizer,
+            self.max_length,
+            add_special_tokens=not self.config.disable_special_tokens,
+            truncate=not self.config.no_truncation,
+        )
         self.start_engine()
 
     def token_ids(self, inputs: EncoderInputs) -> list[list[int]]:
-        """Texts tokenized (truncated to the maximum length), or token ids checked."""
+        """Texts tokenized as the transformers backend does (over-long texts truncated, or
+        refused with ``--no_truncation``, never tokenized whole), or token ids checked."""
         if inputs and isinstance(inputs[0], str):
-            encoded = self.tokenizer(
-                list(inputs),  # type: ignore[arg-type]
-                truncation=True,
-                max_length=self.max_length,
-                add_special_tokens=not self.config.disable_special_tokens,
-            )
-            return [list(ids) for ids in encoded["input_ids"]]
+            rows = self.encoder.texts(list(inputs))  # type: ignore[arg-type]
+            return [[int(i) for i in row["input_ids"]] for row in rows]
         ids_lists: list[list[int]] = [list(ids) for ids in inputs]  # type: ignore[arg-type]
         check_token_inputs(ids_lists, len(self.tokenizer), self.max_length)
         return ids_lists

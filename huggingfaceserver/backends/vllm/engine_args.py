@@ -54,9 +54,12 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
     return modules
 
 
-def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
+def engine_argv(
+    source: ModelSource, config: ServerConfig, kv_cache_bytes: int | None = None
+) -> list[str]:
     """The argv vLLM's parser reads: our settings first, the user's engine flags after them
-    (so an explicit vLLM flag such as ``--dtype`` or ``--tensor-parallel-size`` wins)."""
+    (so an explicit vLLM flag such as ``--dtype`` or ``--tensor-parallel-size`` wins).
+    ``kv_cache_bytes``: the KV cache as :mod:`.kv_cache` sized it."""
     dtype = resolve_dtype(config.dtype, source.task, torch.cuda.is_available())
     argv = [
         "--model", str(source.path),
@@ -68,6 +71,8 @@ def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
         argv += ["--max-model-len", str(config.max_length)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
+    if kv_cache_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if not source.task.is_generative:
         argv += pooling_runner_flags()
     flags = translate_speculative_flags(config.engine_flags)
@@ -85,9 +90,11 @@ def engine_argv(source: ModelSource, config: ServerConfig) -> list[str]:
     return argv + flags_to_argv({k: v for k, v in flags.items() if k in known})
 
 
-def build_engine_args(source: ModelSource, config: ServerConfig) -> AsyncEngineArgs:
+def build_engine_args(
+    source: ModelSource, config: ServerConfig, kv_cache_bytes: int | None = None
+) -> AsyncEngineArgs:
     """Parsed by vLLM's own parser: its defaults, its validation, its error messages (exit 2)."""
-    namespace = engine_parser().parse_args(engine_argv(source, config))
+    namespace = engine_parser().parse_args(engine_argv(source, config, kv_cache_bytes))
     return AsyncEngineArgs.from_cli_args(namespace)
 
 

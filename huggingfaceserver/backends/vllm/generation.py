@@ -86,10 +86,12 @@ def to_logprobs(positions: Any, k: int) -> list[TokenLogprob]:
 class VLLMGenerator(EngineHolder, GenerationBackend):
     name = "vllm"
 
-    def __init__(self, source: ModelSource, config: ServerConfig):
+    def __init__(
+        self, source: ModelSource, config: ServerConfig, kv_cache_bytes: int | None = None
+    ):
         self.source = source
         self.config = config
-        self.engine_args = build_engine_args(source, config)
+        self.engine_args = build_engine_args(source, config, kv_cache_bytes)
         self.adapters: dict[str, LoraModule] = {m.name: m for m in lora_modules(config)}
 
     def load(self) -> None:

@@ -85,6 +85,21 @@ def context_length_error(
     )
 
 
+def prompt_too_long_error(
+    max_len: int, at_least: int, chars: int, param: str = "messages"
+) -> InvalidParameter:
+    """The context-length 400 for a prompt refused after tokenizing only its first ``chars``
+    characters (``at_least`` tokens)."""
+    where = "messages" if param == "messages" else "prompt"
+    return InvalidParameter(
+        f"This model's maximum context length is {max_len} tokens. However, your {where} "
+        f"has at least {at_least} tokens (in its first {chars} characters alone). Please "
+        f"reduce the length of the {where}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def openai_error_response(exc: ServerError) -> JSONResponse:
     """``exc`` answered in the OpenAI shape, with its own status."""
     body = OpenAIErrorResponse.build(

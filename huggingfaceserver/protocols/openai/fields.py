@@ -7,12 +7,34 @@ Each check raises ``ValueError`` with a message meant for the client; pydantic t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, Strict
 
 MAX_STOP_STRINGS = 16
+
+
+def check_finite(value: Any) -> Any:
+    """Say that NaN and infinities are not numbers, before a range check would call NaN
+    "not <= 2". JSON's ``NaN`` / ``Infinity`` literals and strings like ``"nan"`` arrive here."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value  # pydantic says it is not a number
+    if isinstance(number, float) and math.isnan(number):
+        raise ValueError("must be a number, got NaN")
+    if isinstance(number, float) and math.isinf(number):
+        sign = "-" if number < 0 else ""
+        raise ValueError(f"must be a finite number, got {sign}Infinity")
+    return value
+
+
+FiniteFloat = Annotated[float, BeforeValidator(check_finite)]
+"""A float field that refuses NaN and infinities with a message that says so."""
 
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 """A vocabulary index; ``Strict`` so that ``true`` is not taken for token 1."""
@@ -95,7 +117,7 @@ def check_logit_bias_keys(bias: dict[str, float] | None) -> dict[str, float] | N
     return bias
 
 
-LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
+LogitBias = dict[str, Annotated[FiniteFloat, Field(ge=-100, le=100)]]
 
 
 # Fields OpenAI defines that a plain text-generation server cannot honour. Each maps to the test

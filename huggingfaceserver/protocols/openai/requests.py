@@ -25,6 +25,7 @@ from huggingfaceserver.generation.params import SamplingParams
 
 from .chat_messages import ChatMessage
 from .fields import (
+    FiniteFloat,
     LogitBias,
     Stop,
     TextOrTokens,
@@ -76,22 +77,22 @@ class BaseGenerationRequest(BaseModel):
     model: str | None = None
     """The served model's name; None: the only model served."""
     n: int | None = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: FiniteFloat | None = Field(None, ge=0, le=2)
+    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
     stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # The range torch.Generator.manual_seed accepts.
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
     logit_bias: LogitBias | None = None
     user: str | None = None
 
     # Extensions (vLLM's names and meanings).
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    min_p: FiniteFloat = Field(0.0, ge=0, le=1)
+    repetition_penalty: FiniteFloat = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None

@@ -1,34 +1,21 @@
-"""OpenAI responses, built from the ``openai`` package's own types so that the SDK parses them.
+"""Completion and chat responses, built from the ``openai`` package's own types so that the SDK
+parses them (encoder responses, without the SDK, are in :mod:`.encoder_responses`).
 
-Two SDK types are narrower than what the API sends, and are widened by a subclass here: a
+One SDK type is narrower than what the API sends, and is widened by a subclass here: a
 streamed completion choice has ``finish_reason: null`` until its last chunk
-(:class:`CompletionStreamChoice`), and with ``encoding_format: "base64"`` (which the SDK itself
-asks for unless its user chose a format) an embedding is a string (:class:`Base64Embedding`).
-Rerank has no OpenAI type: its models follow the Cohere / Jina response.
+(:class:`CompletionStreamChoice`).
 
-Serialize with :func:`to_json`: the builders set exactly the fields that belong in the JSON
-(``exclude_unset``), so a chat delta carries ``role`` only when asked to, stream chunks carry
-``usage`` only when the client asked for usage, and a rerank result has ``document`` only when
-documents are returned.
+Serialize with :func:`~.bodies.to_json`: the builders set exactly the fields that belong in the
+JSON (``exclude_unset``), so a chat delta carries ``role`` only when asked to and stream chunks
+carry ``usage`` only when the client asked for usage.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import time
-import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
-from openai.types import (
-    Completion,
-    CompletionChoice,
-    CompletionUsage,
-    CreateEmbeddingResponse,
-    Embedding,
-)
+from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,43 +24,12 @@ from openai.types.chat import (
     chat_completion_chunk,
 )
 from openai.types.completion_choice import Logprobs
-from openai.types.create_embedding_response import Usage as EmbeddingUsage
-from pydantic import BaseModel
-from starlette.responses import Response
 
+from .bodies import now
 from .logprobs import ChatLogprobs
 
 CompletionFinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
-
-
-def new_id(prefix: str) -> str:
-    """A response id as OpenAI writes them: ``cmpl-...``, ``chatcmpl-...``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    """The ``created`` timestamp: Unix seconds."""
-    return int(time.time())
-
-
-def to_json(response: BaseModel) -> str:
-    """The response as JSON text, with the fields its builder set and no others, serialized
-    by pydantic-core (Rust) in one pass: an embedding's floats through ``model_dump`` and
-    ``json.dumps`` cost several times more."""
-    return response.model_dump_json(exclude_unset=True)
-
-
-def to_json_dict(response: BaseModel) -> dict[str, Any]:
-    """What :func:`to_json` sends, as data."""
-    data: dict[str, Any] = json.loads(to_json(response))
-    return data
-
-
-class JSONBody(Response):
-    """A response whose JSON text is already made (see :func:`to_json`)."""
-
-    media_type = "application/json"
 
 
 def completion_usage(prompt_tokens: int, completion_tokens: int) -> CompletionUsage:
@@ -256,102 +212,3 @@ def chat_chunk(
 def _usage_field(include_usage: bool, usage: CompletionUsage | None) -> dict[str, Any]:
     # OpenAI: with include_usage, every chunk has "usage" (null but in the last one); else none.
     return {"usage": usage} if include_usage or usage is not None else {}
-
-
-# --- embeddings and rerank ---------------------------------------------------------------
-
-Vectors = Sequence[Sequence[float]] | np.ndarray
-
-
-class Base64Embedding(Embedding):
-    """An embedding sent as base64 of its little-endian float32 bytes."""
-
-    embedding: str  # type: ignore[assignment]
-
-
-class EmbeddingResponse(CreateEmbeddingResponse):
-    """``/v1/embeddings`` response whose vectors are float lists or base64 strings."""
-
-    data: list[Base64Embedding | Embedding]  # type: ignore[assignment]
-
-
-def embedding_to_base64(vector: Sequence[float] | np.ndarray) -> str:
-    """``vector`` as base64 of its little-endian float32 bytes (what the SDK decodes)."""
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-
-
-def embedding_response(
-    model: str, vectors: Vectors, prompt_tokens: int, as_base64: bool = False
-) -> EmbeddingResponse:
-    """The whole ``/v1/embeddings`` response: one entry per input, in input order."""
-    data: list[Base64Embedding | Embedding] = []
-    for index, vector in enumerate(vectors):
-        if as_base64:
-            encoded = embedding_to_base64(vector)
-            data.append(Base64Embedding(object="embedding", index=index, embedding=encoded))
-        else:
-            values = np.asarray(vector, dtype=np.float64).tolist()
-            data.append(Embedding(object="embedding", index=index, embedding=values))
-    return EmbeddingResponse(
-        object="list",
-        data=data,
-        model=model,
-        usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
-    )
-
-
-class RerankDocumentText(BaseModel):
-    text: str
-
-
-class RerankResult(BaseModel):
-    """One document's score; ``index`` is its position in the request."""
-
-    index: int
-    relevance_score: float
-    document: RerankDocumentText | None = None
-
-
-class RerankUsage(BaseModel):
-    total_tokens: int
-
-
-class RerankResponse(BaseModel):
-    """``/v1/rerank`` response (Cohere / Jina shape): results by descending score."""
-
-    id: str
-    model: str
-    usage: RerankUsage
-    results: list[RerankResult]
-
-
-def rerank_response(
-    model: str,
-    scores: Sequence[float],
-    documents: Sequence[str],
-    total_tokens: int,
-    top_n: int | None = None,
-    return_documents: bool = True,
-    request_id: str | None = None,
-) -> RerankResponse:
-    """Rank ``documents`` by ``scores`` (ties keep request order), keeping the ``top_n`` best.
-
-    Without ``return_documents`` the results leave ``document`` out.
-    """
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
-    results = [
-        _rerank_result(i, float(scores[i]), documents[i] if return_documents else None)
-        for i in order
-    ]
-    return RerankResponse(
-        id=request_id or new_id("rerank"),
-        model=model,
-        usage=RerankUsage(total_tokens=total_tokens),
-        results=results,
-    )
-
-
-def _rerank_result(index: int, score: float, text: str | None) -> RerankResult:
-    if text is None:  # left unset, so that the JSON has no "document" at all
-        return RerankResult(index=index, relevance_score=score)
-    return RerankResult(index=index, relevance_score=score, document=RerankDocumentText(text=text))

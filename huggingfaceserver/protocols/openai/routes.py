@@ -9,8 +9,12 @@ carries both shapes (KServe's ``models`` / ``name``+``ready`` and OpenAI's ``dat
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
+import sys
 from collections.abc import Callable, Coroutine
+from types import ModuleType
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -19,18 +23,27 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from ...backends.base import GenerationBackend
 from ...errors import ServerError
+from .bodies import JSONBody, to_json
 from .encoder_requests import EmbeddingRequest, RerankRequest
 from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
-from .responses import JSONBody, to_json
-from .serving_chat import create_chat_completion, create_completion
 from .serving_encoders import create_embeddings, create_rerank
 
 PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
 DEFAULT_PREFIX = "/openai"
 R = TypeVar("R", bound=BaseModel)
+SERVING_CHAT = f"{__package__}.serving_chat"
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+}
+"""The body each POST route parses itself, as /openapi.json documents it."""
+SCHEMA_PREFIX = "OpenAI"
 
 
 def route_prefix(environ: dict[str, str] | None = None) -> str:
@@ -67,6 +80,16 @@ def json(response: BaseModel) -> Response:
     return JSONBody(to_json(response))
 
 
+async def serving_chat() -> ModuleType:
+    """The completion and chat handlers, imported on first use and off the event loop: the
+    ``openai`` SDK types they build responses from take about a second to import, and an
+    encoder server never needs them (a generation server imports them in :func:`mount_openai`)."""
+    module = sys.modules.get(SERVING_CHAT)
+    if module is None:
+        module = await asyncio.to_thread(importlib.import_module, SERVING_CHAT)
+    return module
+
+
 def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     """The routes; ``kserve_compatible`` merges the model routes with KServe's V1 shapes."""
     router = APIRouter(route_class=OpenAIRoute)
@@ -74,12 +97,12 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await create_completion(models, body, request)
+        return await (await serving_chat()).create_completion(models, body, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
-        return await create_chat_completion(models, body, request)
+        return await (await serving_chat()).create_chat_completion(models, body, request)
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -107,6 +130,41 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     return router
 
 
+def request_body(document: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of ``model``; its schemas go into the document's
+    components, named ``OpenAI<Model>`` so that none replaces one of KServe's."""
+    template = f"#/components/schemas/{SCHEMA_PREFIX}{{model}}"
+    schema = model.model_json_schema(ref_template=template)
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
+        components[SCHEMA_PREFIX + name] = definition
+    reference = {"$ref": template.format(model=model.__name__)}
+    return {"required": True, "content": {"application/json": {"schema": reference}}}
+
+
+def publish_request_bodies(app: FastAPI, prefix: str) -> None:
+    """Document the bodies of :data:`BODIES` in /openapi.json (the handlers take a raw
+    ``Request``, so FastAPI sees none), when the document is first asked for: the JSON
+    schemas take tens of milliseconds to build, which start-up need not spend."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            for path, model in BODIES.items():
+                if operation := document["paths"].get(prefix + path, {}).get("post"):
+                    operation["requestBody"] = request_body(document, model)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def mount_openai(app: FastAPI, models: ServedModels, prefix: str) -> None:
-    """Add the routes to ``app``; call before KServe adds its own so ours match first."""
+    """Add the routes to ``app``; call before KServe adds its own so ours match first, and
+    after the models are registered: a generation model's handlers are imported now, not by
+    its first request."""
+    served = models.registry.get_models().values()
+    if any(isinstance(getattr(m, "backend", None), GenerationBackend) for m in served):
+        importlib.import_module(SERVING_CHAT)
     app.include_router(openai_router(models, kserve_compatible=prefix == ""), prefix=prefix)
+    publish_request_bodies(app, prefix)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -15,12 +16,13 @@ from transformers import PreTrainedTokenizerBase
 from ...backends.base import GenerationBackend
 from ...errors import ServerError
 from ...generation.params import ChoiceDelta
+from .bodies import JSONBody, new_id, now, to_json
 from .errors import OpenAIErrorResponse
 from .logprobs import chat_logprobs, completion_logprobs
 from .models import ServedModels
+from .prompts import prepare_chat, prepare_completion
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import (
-    JSONBody,
     chat_choice,
     chat_chunk,
     chat_response,
@@ -30,17 +32,13 @@ from .responses import (
     completion_response,
     completion_stream_choice,
     completion_usage,
-    new_id,
-    now,
-    to_json,
 )
 from .serving_generation import (
     SSE_DONE,
     ChoiceState,
     Job,
-    chat_prompt,
     collect,
-    completion_prompts,
+    fill_prompt_texts,
     generate_all,
     logprob_texts,
     plan_jobs,
@@ -105,16 +103,18 @@ async def create_completion(
 ) -> Response:
     model, backend, adapter = resolve_generation(models, request.model, "/v1/completions")
     params = request.to_sampling_params()
-    prompts = completion_prompts(backend.tokenizer, request)
+    prompts = await prepare_completion(backend, model, request)
     jobs = plan_jobs(backend, prompts, params, "prompt", adapter)
     exchange = Exchange.start("cmpl", adapter or model.name, backend, jobs, request.include_usage)
     echo = bool(request.echo)
+    if echo:
+        await asyncio.to_thread(fill_prompt_texts, backend.tokenizer, jobs)
     if request.stream:
         return event_stream(completion_events(exchange, echo))
     states = await until_disconnected(raw, collect(backend, jobs))
     choices = []
     for index, state in enumerate(states):
-        prefix = exchange.job_of(index).prompt_text if echo else ""
+        prefix = (exchange.job_of(index).prompt_text or "") if echo else ""
         logprobs = None
         if exchange.want_logprobs:
             logprobs = completion_logprobs(
@@ -130,7 +130,7 @@ async def create_chat_completion(
 ) -> Response:
     model, backend, adapter = resolve_generation(models, request.model, "/v1/chat/completions")
     params = request.to_sampling_params()
-    prompt = chat_prompt(backend.tokenizer, request, model.chat_template)
+    prompt = await prepare_chat(backend, model, request)
     jobs = plan_jobs(backend, [prompt], params, "messages", adapter)
     exchange = Exchange.start(
         "chatcmpl", adapter or model.name, backend, jobs, request.include_usage
@@ -187,7 +187,7 @@ def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
 
     def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
         first = index not in sent
-        prefix = exchange.job_of(index).prompt_text if echo and first else ""
+        prefix = (exchange.job_of(index).prompt_text or "") if echo and first else ""
         if not (prefix or _has_content(delta)):
             return None
         offset = sent.get(index, 0) + len(prefix)

@@ -5,11 +5,18 @@ from __future__ import annotations
 import math
 
 from ...backends.base import EncoderBackend
+from ...backends.long_inputs import InputTooLong
 from ...errors import BadRequest
 from ...tasks import Task
+from ..limits import check_input_count
 from .encoder_requests import EmbeddingRequest, RerankRequest
+from .encoder_responses import (
+    EmbeddingResponse,
+    RerankResponse,
+    embedding_response,
+    rerank_response,
+)
 from .models import ServedModels
-from .responses import EmbeddingResponse, RerankResponse, embedding_response, rerank_response
 
 
 def _normalise(vector: list[float]) -> list[float]:
@@ -34,7 +41,9 @@ async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> 
             f"/v1/embeddings needs a text_embedding model; `{model.name}` is a "
             f"{model.task.value} model"
         )
-    vectors, counts = await backend.infer_counted(request.inputs())
+    inputs = request.inputs()
+    check_input_count(len(inputs), model.max_inputs_per_request)
+    vectors, counts = await backend.infer_counted(inputs)
     vectors = [_shorten(v, request.dimensions) for v in vectors]
     return embedding_response(model.name, vectors, sum(counts), as_base64=request.base64)
 
@@ -44,7 +53,10 @@ async def _relevance(
 ) -> tuple[list[float], int]:
     """Cross-encoders score (query, document) pairs; embedding models use cosine similarity."""
     if task is Task.text_embedding:
-        vectors, counts = await backend.infer_counted([query, *documents])
+        try:
+            vectors, counts = await backend.infer_counted([query, *documents])
+        except InputTooLong as exc:  # inputs 1.. are the documents
+            raise exc.named(f"document {exc.index - 1}" if exc.index else "the query") from None
         q = _normalise(vectors[0])
         scores = [sum(a * b for a, b in zip(q, _normalise(d), strict=True)) for d in vectors[1:]]
         return scores, sum(counts)
@@ -54,6 +66,7 @@ async def _relevance(
 async def create_rerank(models: ServedModels, request: RerankRequest) -> RerankResponse:
     model = models.get(request.model)
     backend = models.backend(model.name, EncoderBackend, "/v1/rerank")  # type: ignore[type-abstract]
+    check_input_count(len(request.documents), model.max_inputs_per_request, "documents")
     documents = request.texts()
     scores, tokens = await _relevance(backend, model.task, request.query, documents)
     return rerank_response(

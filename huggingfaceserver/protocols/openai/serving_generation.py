@@ -1,8 +1,8 @@
 """``/v1/completions`` and ``/v1/chat/completions`` on any :class:`GenerationBackend`.
 
-Requests are validated and converted here, prompts tokenized (chat through the chat template),
-the context limit checked, and the backend's deltas turned into OpenAI responses or
-Server-Sent Events. Nothing here knows which backend runs.
+Requests are validated and converted here, the context limit checked (prompts are made in
+:mod:`.prompts`), and the backend's deltas turned into OpenAI responses or Server-Sent Events.
+Nothing here knows which backend runs.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...errors import BadRequest, ClientClosedRequest
+from ...errors import ClientClosedRequest
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
 from ..kserve_model import GenerationModel
-from .errors import context_length_error
+from .bodies import to_json
+from .errors import InvalidParameter, context_length_error
 from .logprobs import TokenLogprobText
 from .models import ServedModels
-from .requests import ChatCompletionRequest, CompletionRequest
-from .responses import to_json
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
@@ -36,7 +35,8 @@ class Job:
     """One prompt to generate ``params.n`` choices for; its choices start at ``first_index``."""
 
     prompt_ids: list[int]
-    prompt_text: str
+    prompt_text: str | None
+    """None for a prompt sent as token ids, until :func:`fill_prompt_texts` (``echo``)."""
     params: SamplingParams
     first_index: int
     adapter: str | None = None
@@ -84,59 +84,29 @@ def plan_jobs(
         wanted = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + wanted > limit or wanted < 1:
             raise context_length_error(limit, len(ids), max(wanted, 1), param=param_name)
+        if params.min_tokens > wanted:
+            raise InvalidParameter(
+                f"min_tokens ({params.min_tokens}) is more than the {wanted} tokens the "
+                "completion may have",
+                param="min_tokens",
+            )
         job_params = SamplingParams(**{**vars(params), "max_tokens": wanted})
         backend.check_request(ids, job_params, adapter)
-        if text is None:
-            text = decode(backend.tokenizer, ids)
         jobs.append(Job(ids, text, job_params, number * params.n, adapter))
     return jobs
 
 
-def completion_prompts(
-    tokenizer: PreTrainedTokenizerBase, request: CompletionRequest
-) -> list[tuple[list[int], str | None]]:
-    """(token ids, text or None) per prompt; texts are tokenized as the tokenizer does by
-    default, token-id prompts are used as they are."""
-    out: list[tuple[list[int], str | None]] = []
-    for prompt in request.prompts():
-        if isinstance(prompt, str):
-            out.append((tokenizer(prompt)["input_ids"], prompt))
-        else:
-            ids = list(prompt)
-            out.append((ids, None))  # decoded once the ids are known to be valid
-    return out
+def fill_prompt_texts(tokenizer: PreTrainedTokenizerBase, jobs: list[Job]) -> None:
+    """Decode the prompts sent as token ids (blocking: for ``echo``, in a worker thread)."""
+    for job in jobs:
+        if job.prompt_text is None:
+            job.prompt_text = decode(tokenizer, job.prompt_ids)
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     text = tokenizer.decode(ids)
     assert isinstance(text, str)
     return text
-
-
-def chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, request: ChatCompletionRequest, server_template: str | None
-) -> tuple[list[int], str | None]:
-    """Render the conversation with the chat template and tokenize it (no special tokens added a
-    second time: the template writes them)."""
-    template = request.chat_template or server_template or tokenizer.chat_template
-    if not template:
-        raise BadRequest(
-            "this model has no chat template: pass --chat_template at startup, send "
-            "chat_template in the request, or use /v1/completions"
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            request.conversation(),
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # the template is code from the request or the model: any failure
-        raise BadRequest(f"the chat template failed on these messages: {exc!r}") from None
-    assert isinstance(text, str)
-    return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 
 async def generate_all(

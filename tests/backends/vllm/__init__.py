@@ -13,13 +13,19 @@ from pathlib import Path
 VLLM_FLAGS = ["--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "8"]
 
 
-def vllm_env(root: Path) -> dict[str, str]:
-    """Environment for a vLLM server: a 1 GiB KV cache, caches and IPC sockets under ``root``."""
+def vllm_env(root: Path, kv_cache_gib: int | None = None) -> dict[str, str]:
+    """Environment for a vLLM server with ``root`` from ``tmp_path_factory.mktemp``: IPC sockets
+    under ``root``; caches beside it, shared by the session's servers (vLLM caches what it
+    learns of a model class there, in a subprocess that costs seconds per start); the KV cache
+    sized by the server (the few MiB these tiny models can use), or ``kv_cache_gib`` as a user
+    sets it with ``VLLM_CPU_KVCACHE_SPACE``."""
     rpc = root / "rpc"
     rpc.mkdir(parents=True, exist_ok=True)
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor-cache"),
+    env = {
+        "VLLM_CACHE_ROOT": str(root.parent / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "inductor-cache"),
         "VLLM_RPC_BASE_PATH": str(rpc),
     }
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env

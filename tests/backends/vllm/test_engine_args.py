@@ -20,7 +20,7 @@ from huggingfaceserver.cli import KNOWN_VLLM_ENGINE_FLAGS, ServerConfig, parse_a
 from huggingfaceserver.errors import BadRequest, StartupError
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.loading import load_source
-from huggingfaceserver.server import build_model
+from huggingfaceserver.server import build_model, locate
 from huggingfaceserver.tasks import Task
 from tests.harness import REPO
 
@@ -131,6 +131,33 @@ def test_a_known_front_end_flag_does_not_crash_the_engine_parser(llama_path):
     # StartupError, never an argparse exit from inside build_model.
     with contextlib.suppress(StartupError):
         engine_args_for(llama_path, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def test_our_kv_cache_size_reaches_the_engine(llama_path):
+    config = config_for(llama_path)
+    assert build_engine_args(load_source(config), config).kv_cache_memory_bytes is None
+    args = build_engine_args(load_source(config), config, kv_cache_bytes=3 << 20)
+    assert args.kv_cache_memory_bytes == 3 << 20
+
+
+def test_on_a_cpu_the_auto_backend_sizes_the_kv_cache(llama_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config = config_for(llama_path, "--max-num-seqs", "8")
+    source, choice = locate(config)
+    # 8 sequences of one 128-token block, 1 KiB a token: what the engine can use
+    assert (choice.name, choice.kv_cache_bytes) == ("vllm", 8 * 128 * 1024)
+    built = build_model(config, (source, choice))  # no weights are loaded
+    assert built.backend.engine_args.kv_cache_memory_bytes == 8 * 128 * 1024
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory-utilization", "--kv-cache-memory-bytes"])
+def test_a_user_sizing_flag_leaves_the_kv_cache_to_vllm(llama_path, monkeypatch, flag):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    value = "0.5" if flag == "--gpu-memory-utilization" else "1G"
+    config = config_for(llama_path, flag, value)
+    _, choice = locate(config)
+    assert (choice.name, choice.kv_cache_bytes) == ("vllm", None)
+    assert "KV cache" not in choice.reason
 
 
 # --- flag names -----------------------------------------------------------------------------

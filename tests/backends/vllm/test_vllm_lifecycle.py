@@ -68,7 +68,7 @@ class Shutdown:
 @pytest.fixture(scope="module")
 def shutdown(llama_path: Path, tmp_path_factory) -> Shutdown:
     root = tmp_path_factory.mktemp("vllm-sigterm")
-    env = vllm_env(root)
+    env = vllm_env(root, kv_cache_gib=1)  # as a user sizes it: the server leaves it to vLLM
     rpc = Path(env["VLLM_RPC_BASE_PATH"])
     before = set(os.listdir(rpc))
     with run_server(server_args(llama_path), root, env=env) as server:
@@ -86,6 +86,12 @@ def shutdown(llama_path: Path, tmp_path_factory) -> Shutdown:
     return Shutdown(
         returncode, seconds, processes, left, before, serving, set(os.listdir(rpc)), server.log()
     )
+
+
+def test_a_kv_cache_the_user_sized_is_left_to_vllm(shutdown):
+    (line,) = [x for x in shutdown.log.splitlines() if " backend vllm: " in x]
+    assert "KV cache" not in line
+    assert "Explicitly set (1.0/" in shutdown.log  # vLLM's CPU worker: VLLM_CPU_KVCACHE_SPACE=1
 
 
 def test_sigterm_exits_0_within_30_seconds(shutdown):

@@ -1,12 +1,15 @@
 """One vLLM server on the tiny Llama (hidden size 64), started as a user starts it: readiness
 while the engine starts, greedy text and logprobs equal to the transformers backend's (the same
 protocol layer, loaded in-process), streaming, ``n``, stop strings, errors in the OpenAI shape,
-and generation that stops when the client goes away."""
+and generation that stops when the client goes away. Started without ``VLLM_CPU_KVCACHE_SPACE``:
+the server sizes vLLM's KV cache to the memory it can have."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.openai_checks import check_streamed_chat_adds_up
+from tests.prometheus import scrape
 
 pytest.importorskip("vllm")
 
@@ -76,10 +80,14 @@ def watch_startup(server: ServerProcess, timeout: float = 180.0) -> list[Probe]:
 
 @pytest.fixture(scope="module")
 def started(llama_path: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list[Probe]]]:
-    """The server (auto backend: vLLM) and what its health routes said while it started."""
+    """The server (auto backend: vLLM, its KV cache sized by the server) and what its health
+    routes said while it started."""
     root = tmp_path_factory.mktemp("vllm-server")
     args = ["--model_dir", str(llama_path), "--model_name", "llm", *VLLM_FLAGS]
-    with run_server(args, root, ready=False, env=vllm_env(root)) as server:
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as unset:
+            unset.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # read as the server starts
+            server = stack.enter_context(run_server(args, root, ready=False, env=vllm_env(root)))
         yield server, watch_startup(server)
 
 
@@ -128,6 +136,15 @@ def sse_events(server: ServerProcess, route: str, body: dict[str, Any]) -> list[
 
 def test_the_auto_backend_is_vllm(server):
     assert "backend vllm: vLLM supports LlamaForCausalLM" in server.log()
+
+
+def test_the_kv_cache_is_sized_to_the_memory_the_server_can_have(server):
+    # 8 sequences (--max-num-seqs) of one 128-token block at 1 KiB a token (2 layers, keys and
+    # values of 2 heads of 32, float32): the most this engine can use, on any machine
+    line = "backend vllm: vLLM supports LlamaForCausalLM; KV cache 1 MiB, room for 8 of 8 "
+    assert line + "sequences at the full 128 tokens (" in server.log()
+    engine_config = {"kv_cache_memory_bytes": str(8 * 128 * 1024)}  # what vLLM was given
+    assert scrape(server.url).has("vllm:cache_config_info", **engine_config)
 
 
 def test_readiness_waits_for_the_engine(started):
@@ -370,3 +387,66 @@ def test_a_client_that_leaves_a_stream_aborts_the_engine_request(server, client)
     assert response.choices[0].text is not None
     assert time.monotonic() - started < 10
     assert status(f"{server.url}/v2/health/ready") == 200
+
+
+def engine_requests(server: ServerProcess) -> tuple[float, float]:
+    """vLLM's running and waiting request counts, from the server's /metrics."""
+    metrics = scrape(server.url)
+    assert metrics.has("vllm:num_requests_running") and metrics.has("vllm:num_requests_waiting")
+    return metrics.value("vllm:num_requests_running"), metrics.value("vllm:num_requests_waiting")
+
+
+def post_and_leave(server: ServerProcess, route: str, body: dict[str, Any]) -> None:
+    """POST without reading the answer; hang up once the engine runs the request."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /openai/v1/{route} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:
+        sock.sendall(head.encode() + payload)
+        assert wait_until(lambda: engine_requests(server)[0] > 0, timeout=30, interval=0.05)
+
+
+def test_a_client_that_leaves_before_the_answer_aborts_the_engine_request(server, client):
+    since = len(server.log())
+    before = generated_tokens(server)
+    # 64 choices of 120 tokens, 8 at a time (--max-num-seqs 8): seconds of work
+    body = {"prompt": "Hi", "max_tokens": 120, "n": 64, "temperature": 1.0, "ignore_eos": True}
+    post_and_leave(server, "completions", {"model": "llm", **body})
+    server.wait_for_log(CANCELLED, since, timeout=15)
+
+    # The engine drops it, queued choices included, well short of the 7,680 tokens asked for.
+    assert wait_until(lambda: engine_requests(server) == (0, 0), timeout=10), engine_requests(
+        server
+    )
+    assert generated_tokens(server) - before < 64 * 120 / 2
+    response = client.completions.create(model="llm", prompt="Hi", max_tokens=4)
+    assert response.usage is not None and response.usage.completion_tokens == 4
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def test_vllms_own_metrics_are_served_once(server, client):
+    """vLLM's stat logger registers the ``vllm:`` names (this server registers its own under
+    them only when transformers generates), next to KServe's figures."""
+    labels = {"model_name": "llm", "engine": "0"}
+    before = scrape(server.url)
+    body = {"ignore_eos": True}
+    response = client.completions.create(model="llm", prompt="Hi", max_tokens=4, extra_body=body)
+    assert response.usage is not None and response.usage.completion_tokens == 4
+
+    def moved(name: str, **more: str) -> float:
+        after = scrape(server.url)
+        return after.value(name, **labels, **more) - before.value(name, **labels, **more)
+
+    # vLLM records a step's figures right after it hands its outputs on: poll
+    assert wait_until(lambda: moved("vllm:generation_tokens_total") == 4, timeout=10)
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    after = scrape(server.url)
+    for family in ("vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"):
+        assert after.type_lines(family) == 1, family
+    assert after.has("vllm:num_requests_waiting", **labels)
+    assert after.type_lines("request_predict_seconds") == 1  # KServe's

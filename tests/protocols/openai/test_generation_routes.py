@@ -43,6 +43,8 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 OTHER_TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}=>"
+TRUST = "--trust_request_chat_template"
+"""Templates in requests are refused without it (tests/protocols/openai/test_chat_template.py)."""
 MODEL_CLASSES = {
     "gpt2": AutoModelForCausalLM,
     "llama": AutoModelForCausalLM,
@@ -234,7 +236,7 @@ async def test_chat_template_in_the_request(served, reference):
     prompt_ids = ref.chat_ids(MESSAGES, PLAIN_TEMPLATE)
     expected = ref.greedy(prompt_ids)
     body = await ok(
-        served("gpt2"),
+        served("gpt2", TRUST),
         CHAT,
         {"messages": MESSAGES, "chat_template": PLAIN_TEMPLATE, "temperature": 0, "max_tokens": 12},
     )
@@ -250,7 +252,7 @@ async def test_chat_template_at_startup(served, reference, tmp_path, form):
         flag = str(path)
     else:
         flag = PLAIN_TEMPLATE
-    model = served("gpt2", "--chat_template", flag)
+    model = served("gpt2", "--chat_template", flag, TRUST)
     ref = reference("gpt2")
     prompt_ids = ref.chat_ids(MESSAGES, PLAIN_TEMPLATE)
     expected = ref.greedy(prompt_ids)
@@ -732,7 +734,7 @@ async def test_kserve_v1_predict_on_a_generative_model_is_a_400(served):
 )
 async def test_a_request_chat_template_that_fails_is_a_400(served, template):
     body = {"messages": USER, "chat_template": template, "max_tokens": 3}
-    response = await post_answered(served("llama"), CHAT, body)
+    response = await post_answered(served("llama", TRUST), CHAT, body)
     assert response.status_code == 400, response.text
     assert "chat template failed" in response.json()["error"]["message"]
 

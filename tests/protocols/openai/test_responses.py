@@ -13,10 +13,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from openai.types import Completion, CreateEmbeddingResponse
+from openai.types import Completion, CreateEmbeddingResponse, Embedding
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.create_embedding_response import Usage as EmbeddingUsage
 
-from huggingfaceserver.protocols.openai import responses
+from huggingfaceserver.protocols.openai import bodies, encoder_responses, responses
+from huggingfaceserver.protocols.openai.bodies import to_json, to_json_dict
 from huggingfaceserver.protocols.openai.encoder_requests import EmbeddingRequest
 from huggingfaceserver.protocols.openai.logprobs import (
     FLOOR_LOGPROB,
@@ -24,7 +26,6 @@ from huggingfaceserver.protocols.openai.logprobs import (
     chat_logprobs,
     completion_logprobs,
 )
-from huggingfaceserver.protocols.openai.responses import to_json_dict
 
 ENTRIES = [
     TokenLogprobText("Hel", -0.5, [("Hel", -0.5), ("He", -1.5)]),
@@ -70,7 +71,7 @@ def test_completion_response_parses_strictly_and_through_the_sdk():
 
 
 def test_completion_stream_through_the_sdk():
-    created = responses.now()
+    created = bodies.now()
     chunks = [
         responses.completion_chunk(
             "cmpl-1", "m", created, responses.completion_stream_choice(0, "Hel"), include_usage=True
@@ -122,7 +123,7 @@ def test_chat_response_parses_strictly_and_through_the_sdk():
 
 
 def test_chat_stream_role_first_finish_last_usage_after():
-    created = responses.now()
+    created = bodies.now()
     choices = [
         responses.chat_stream_choice(0, "", first=True),
         responses.chat_stream_choice(0, "Hel"),
@@ -195,7 +196,7 @@ def test_chat_logprobs_format():
 
 @pytest.mark.parametrize("vector", [[0.1, -2.5, 3.0e-8], np.array([1.0, 2.0], dtype=np.float64)])
 def test_base64_round_trip(vector):
-    encoded = responses.embedding_to_base64(vector)
+    encoded = encoder_responses.embedding_to_base64(vector)
     decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
     np.testing.assert_array_equal(decoded, np.asarray(vector, dtype=np.float32))
     assert base64.b64decode(encoded) == struct.pack(f"<{len(vector)}f", *vector)
@@ -203,14 +204,44 @@ def test_base64_round_trip(vector):
 
 def test_embedding_response_float_and_base64():
     vectors = np.array([[0.5, -0.25], [1.0, 0.0]], dtype=np.float32)
-    floats = to_json_dict(responses.embedding_response("m", vectors, prompt_tokens=6))
+    floats = to_json_dict(encoder_responses.embedding_response("m", vectors, prompt_tokens=6))
     assert CreateEmbeddingResponse.model_validate(floats)
     assert floats["object"] == "list"
     assert floats["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
     assert [d["index"] for d in floats["data"]] == [0, 1]
     assert floats["data"][0] == {"object": "embedding", "index": 0, "embedding": [0.5, -0.25]}
-    as_base64 = to_json_dict(responses.embedding_response("m", vectors, 6, as_base64=True))
-    assert as_base64["data"][1]["embedding"] == responses.embedding_to_base64([1.0, 0.0])
+    as_base64 = to_json_dict(encoder_responses.embedding_response("m", vectors, 6, as_base64=True))
+    assert as_base64["data"][1]["embedding"] == encoder_responses.embedding_to_base64([1.0, 0.0])
+
+
+class SDKBase64Embedding(Embedding):
+    embedding: str  # type: ignore[assignment]
+
+
+class SDKEmbeddingResponse(CreateEmbeddingResponse):
+    data: list[SDKBase64Embedding | Embedding]  # type: ignore[assignment]
+
+
+def sdk_embedding_response(vectors: np.ndarray, as_base64: bool) -> SDKEmbeddingResponse:
+    """The embedding response built from the openai SDK's own types."""
+    data: list[SDKBase64Embedding | Embedding] = [
+        SDKBase64Embedding(
+            object="embedding", index=i, embedding=encoder_responses.embedding_to_base64(v)
+        )
+        if as_base64
+        else Embedding(object="embedding", index=i, embedding=v.astype(np.float64).tolist())
+        for i, v in enumerate(vectors)
+    ]
+    usage = EmbeddingUsage(prompt_tokens=7, total_tokens=7)
+    return SDKEmbeddingResponse(object="list", data=data, model="m", usage=usage)
+
+
+@pytest.mark.parametrize("as_base64", [False, True])
+def test_embedding_json_is_the_sdk_types_json(as_base64):
+    """Our models (an encoder server never imports the SDK) send the very same bytes."""
+    vectors = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    ours = encoder_responses.embedding_response("m", vectors, 7, as_base64=as_base64)
+    assert to_json(ours) == to_json(sdk_embedding_response(vectors, as_base64))
 
 
 @pytest.mark.parametrize("encoding_format", [None, "float", "base64"])
@@ -220,7 +251,7 @@ def test_embeddings_through_the_sdk(encoding_format):
 
     def answer(body: dict[str, Any]) -> httpx.Response:
         request = EmbeddingRequest.model_validate(body)
-        response = responses.embedding_response("m", vectors, 4, as_base64=request.base64)
+        response = encoder_responses.embedding_response("m", vectors, 4, as_base64=request.base64)
         return httpx.Response(200, json=to_json_dict(response))
 
     kwargs = {} if encoding_format is None else {"encoding_format": encoding_format}
@@ -235,7 +266,9 @@ def test_embeddings_through_the_sdk(encoding_format):
 def test_rerank_response_sorted_and_top_n():
     scores = [0.1, 0.9, 0.5, 0.9]
     body = to_json_dict(
-        responses.rerank_response("m", scores, ["a", "b", "c", "d"], 12, top_n=3, request_id="r")
+        encoder_responses.rerank_response(
+            "m", scores, ["a", "b", "c", "d"], 12, top_n=3, request_id="r"
+        )
     )
     assert body["id"] == "r" and body["model"] == "m" and body["usage"] == {"total_tokens": 12}
     assert body["results"] == [
@@ -247,7 +280,7 @@ def test_rerank_response_sorted_and_top_n():
 
 def test_rerank_response_without_documents():
     body = to_json_dict(
-        responses.rerank_response("m", [0.2, 0.3], ["a", "b"], 4, return_documents=False)
+        encoder_responses.rerank_response("m", [0.2, 0.3], ["a", "b"], 4, return_documents=False)
     )
     assert body["results"] == [
         {"index": 1, "relevance_score": 0.3},
@@ -257,6 +290,6 @@ def test_rerank_response_without_documents():
 
 
 def test_ids_and_timestamps():
-    assert responses.new_id("chatcmpl").startswith("chatcmpl-")
-    assert responses.new_id("cmpl") != responses.new_id("cmpl")
-    assert math.isclose(responses.now(), responses.now(), abs_tol=2)
+    assert bodies.new_id("chatcmpl").startswith("chatcmpl-")
+    assert bodies.new_id("cmpl") != bodies.new_id("cmpl")
+    assert math.isclose(bodies.now(), bodies.now(), abs_tol=2)

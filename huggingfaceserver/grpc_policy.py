@@ -1,0 +1,119 @@
+"""The gateway's rules for the gRPC port: the API key (``authorization: Bearer <key>``
+metadata), the model repository methods off unless enabled, admission counted with HTTP's, and
+no new call while the server drains. Health methods stay open."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc.aio import ServerInterceptor
+
+from .admission import Admission
+from .gateway import ServerState
+from .protocols.kserve_model import new_request_id
+from .repository import DISABLED, REPOSITORY_GRPC_METHODS
+
+logger = logging.getLogger(__name__)
+
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+ADMITTED_METHODS = frozenset({"ModelInfer"})
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
+    def __init__(
+        self,
+        admission: Admission,
+        state: ServerState,
+        api_key: str | None,
+        enable_repository: bool,
+        log_calls: bool = True,
+    ):
+        self.admission = admission
+        self.state = state
+        self.key = api_key.encode() if api_key else None
+        self.enable_repository = enable_repository
+        self.log_calls = log_calls
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method.rsplit("/", 1)[-1]
+        if method in OPEN_METHODS:
+            return await continuation(details)
+        if not self.authorized(details):
+            return _refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong API key: send the metadata 'authorization: Bearer <key>'",
+            )
+        if method in REPOSITORY_GRPC_METHODS and not self.enable_repository:
+            return _refusal(grpc.StatusCode.UNIMPLEMENTED, DISABLED)
+        if self.state.draining:
+            return _refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        served = self.served(handler.unary_unary, method, method in ADMITTED_METHODS)
+        return handler._replace(unary_unary=served)
+
+    def authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        if self.key is None:
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key.lower() == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                scheme, _, token = given.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    def served(
+        self, inner: Callable[..., Awaitable[Any]], method: str, admit: bool
+    ) -> Callable[..., Awaitable[Any]]:
+        """``inner`` admitted (when ``admit``) and logged in one line with its request id."""
+        admission, log_calls = self.admission, self.log_calls
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            request_id = getattr(request, "id", "") or new_request_id()
+            code = grpc.StatusCode.OK
+            try:
+                if admit and not admission.try_enter():
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await context.abort(
+                        code,
+                        f"the server is at its limit of {admission.limit} concurrent requests "
+                        "(--max_concurrent_requests); retry later",
+                    )
+                try:
+                    return await inner(request, context)
+                finally:
+                    if admit:
+                        admission.leave()
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                if log_calls:
+                    logger.info(
+                        "grpc %s %s %s %.1f ms",
+                        request_id,
+                        method,
+                        getattr(code, "name", code),
+                        (time.perf_counter() - start) * 1000,
+                        extra={"request_id": request_id},
+                    )
+
+        return call

@@ -1,0 +1,76 @@
+"""KServe's model repository extension (``/v2/repository/...`` and its gRPC methods) for a
+server that serves the one model it loaded at start.
+
+The routes are off unless ``--enable_model_repository``: one unauthenticated ``unload`` would
+otherwise take the model down for good. When on (and behind the API key, like every model
+route), ``unload`` stops the model and frees its backend, and ``load`` builds and loads it again
+(a no-op when it is loaded), answering once it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from kserve.errors import ModelNotFound
+from kserve.model_repository import ModelRepository
+from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+
+from .errors import NotReady
+from .protocols.kserve_model import BackendModel
+
+logger = logging.getLogger(__name__)
+
+REPOSITORY_PATH = "/v2/repository/"
+REPOSITORY_GRPC_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+DISABLED = "the model repository routes are off: start the server with --enable_model_repository"
+
+
+class SingleModelRepository(ModelRepositoryExtension):
+    """Load and unload for the served model (and the names it is registered under)."""
+
+    def __init__(
+        self,
+        registry: ModelRepository,
+        name: str,
+        build: Callable[[], BackendModel],
+        start: Callable[[BackendModel], Awaitable[None]],
+    ):
+        super().__init__(model_registry=registry)
+        self.registry = registry
+        self.name = name
+        self.build = build
+        self.start = start
+        self.lock = asyncio.Lock()
+        self.on_unload: Callable[[BackendModel], None] = lambda model: None
+
+    def check_name(self, name: str) -> None:
+        if name != self.name:
+            raise ModelNotFound(name)
+
+    async def load(self, model_name: str) -> None:
+        self.check_name(model_name)
+        async with self.lock:
+            if self.registry.get_model(model_name) is not None:
+                return
+            model = self.build()
+            self.registry.update(model)
+            logger.info("model %s: loading again (repository load)", model_name)
+            await self.start(model)
+            if not model.ready:
+                self.registry.get_models().pop(model_name, None)
+                raise NotReady(f"model {model_name} failed to load")
+
+    async def unload(self, model_name: str) -> None:
+        self.check_name(model_name)
+        async with self.lock:
+            model = self.registry.get_model(model_name)
+            if model is None:
+                raise ModelNotFound(model_name)
+            logger.info("model %s: unloading (repository unload)", model_name)
+            models = self.registry.get_models()
+            for name in [n for n, m in models.items() if m is model]:  # adapters' names too
+                del models[name]
+            self.on_unload(model)
+            await asyncio.to_thread(model.stop)
