@@ -42,6 +42,14 @@ class Admission:
         self.held += 1
         return True
 
+    def refusal(self) -> str:
+        """What a request refused for want of a slot is told (HTTP 429, gRPC
+        ``RESOURCE_EXHAUSTED``)."""
+        return (
+            f"the server is at its limit of {self.limit} concurrent requests "
+            "(--max_concurrent_requests); retry later"
+        )
+
     def leave(self) -> None:
         self.held -= 1
         if self.shared is not None:

@@ -45,7 +45,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/metrics"})
 """Health and metrics: never behind the key, never refused, never counted."""
-HEALTH_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready"})
 NO_DEADLINE_PATH = "/v2/repository/"
 RETRY_AFTER_S = 1
 MAX_REQUEST_ID_CHARS = 128
@@ -111,15 +110,11 @@ class Exchange:
 def error_body(path: str, openai_prefix: str, status: int, message: str) -> bytes:
     """The error in the shape of the route ``path`` belongs to."""
     if is_openai_route(path, openai_prefix):
-        from .protocols.openai.errors import error_type
+        from .protocols.openai.errors import OpenAIErrorResponse
 
         code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status)
-        body: dict[str, Any] = {
-            "error": {"message": message, "type": error_type(status), "param": None, "code": code}
-        }
-    else:
-        body = {"error": message}
-    return json.dumps(body).encode()
+        return OpenAIErrorResponse.build(message, status, code=code).model_dump_json().encode()
+    return json.dumps({"error": message}).encode()
 
 
 def is_openai_route(path: str, prefix: str) -> bool:
@@ -127,6 +122,12 @@ def is_openai_route(path: str, prefix: str) -> bool:
     if not path.startswith(prefix + "/v1/"):
         return False
     return bool(prefix) or not path.startswith("/v1/models")
+
+
+def bearer_matches(authorization: bytes, key: bytes) -> bool:
+    """Whether an ``Authorization`` value is ``Bearer <key>`` (compared in constant time)."""
+    scheme, _, token = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -201,8 +202,7 @@ class Gateway:
             metrics.admission_rejected(self.route_of(scope))
             raise Refusal(
                 HTTPStatus.TOO_MANY_REQUESTS,
-                f"the server is at its limit of {self.admission.limit} concurrent requests "
-                "(--max_concurrent_requests); retry later",
+                self.admission.refusal(),
                 {"retry-after": str(RETRY_AFTER_S)},
             )
         try:
@@ -217,9 +217,7 @@ class Gateway:
     def check_key(self, scope: Scope) -> None:
         if self.key is None:
             return
-        given = header(scope, b"authorization") or b""
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+        if not bearer_matches(header(scope, b"authorization") or b"", self.key):
             raise Refusal(
                 HTTPStatus.UNAUTHORIZED,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",

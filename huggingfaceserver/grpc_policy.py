@@ -4,7 +4,6 @@ no new call while the server drains. Health methods stay open."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,7 +13,7 @@ import grpc
 from grpc.aio import ServerInterceptor
 
 from .admission import Admission
-from .gateway import ServerState
+from .gateway import ServerState, bearer_matches
 from .protocols.kserve_model import new_request_id
 from .repository import DISABLED, REPOSITORY_GRPC_METHODS
 
@@ -75,8 +74,7 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
         for key, value in details.invocation_metadata or ():
             if key.lower() == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                scheme, _, token = given.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+                return bearer_matches(given, self.key)
         return False
 
     def served(
@@ -92,11 +90,7 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
             try:
                 if admit and not admission.try_enter():
                     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                    await context.abort(
-                        code,
-                        f"the server is at its limit of {admission.limit} concurrent requests "
-                        "(--max_concurrent_requests); retry later",
-                    )
+                    await context.abort(code, admission.refusal())
                 try:
                     return await inner(request, context)
                 finally:

@@ -36,6 +36,7 @@ class SingleModelRepository(ModelRepositoryExtension):
         name: str,
         build: Callable[[], BackendModel],
         start: Callable[[BackendModel], Awaitable[None]],
+        forget: Callable[[BackendModel], None],
     ):
         super().__init__(model_registry=registry)
         self.registry = registry
@@ -43,7 +44,8 @@ class SingleModelRepository(ModelRepositoryExtension):
         self.build = build
         self.start = start
         self.lock = asyncio.Lock()
-        self.on_unload: Callable[[BackendModel], None] = lambda model: None
+        self.forget = forget
+        """Told of a model unloaded on request (its backend's end is then no failure)."""
 
     def check_name(self, name: str) -> None:
         if name != self.name:
@@ -72,5 +74,5 @@ class SingleModelRepository(ModelRepositoryExtension):
             models = self.registry.get_models()
             for name in [n for n, m in models.items() if m is model]:  # adapters' names too
                 del models[name]
-            self.on_unload(model)
+            self.forget(model)
             await asyncio.to_thread(model.stop)

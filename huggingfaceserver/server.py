@@ -380,13 +380,10 @@ def repository_for(
     server: ModelServer, model: BackendModel, config: ServerConfig, loader: ModelLoader
 ) -> SingleModelRepository:
     """Load and unload of the served model (``--enable_model_repository``)."""
-
-    async def start(new: BackendModel) -> None:
-        await loader.load(new)
-
-    def build() -> BackendModel:
-        return build_model(config)
-
-    repository = SingleModelRepository(server.registered_models, model.name, build, start)
-    repository.on_unload = loader.forget
-    return repository
+    return SingleModelRepository(
+        server.registered_models,
+        model.name,
+        build=lambda: build_model(config),
+        start=loader.load,
+        forget=loader.forget,
+    )
