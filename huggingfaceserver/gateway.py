@@ -12,7 +12,8 @@ In order, for a request:
 - the handler then runs in a task of its own, cancelled when the client disconnects (streaming
   or not: the cancellation reaches the batcher and the decode loop, which drop its rows) or when
   ``--request_timeout_seconds`` passes (a 504, or an error event that ends a stream);
-- one log line per request (id, method, path, status, milliseconds) and the request metrics
+- one log line per request (id, method, path, status, milliseconds, and what the handler noted
+  of its inputs: :mod:`.request_notes`) and the request metrics
   (health and ``/metrics`` themselves are logged but not counted).
 
 Refusals are answered in the route's own error shape: OpenAI's on the OpenAI routes, KServe's
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from . import metrics
+from . import metrics, request_notes
 from .admission import Admission
 from .protocols.kserve_model import new_request_id
 
@@ -177,15 +178,16 @@ class Gateway:
         exchange = Exchange(send, request_id_of(scope))
         if scope["path"] not in OPEN_PATHS:
             metrics.http_request_started()
-        try:
-            await self.serve(scope, receive, exchange)
-        except Refusal as refusal:
-            await self.refuse(scope, exchange, refusal)
-        except BaseException:
-            exchange.status = exchange.status or HTTPStatus.INTERNAL_SERVER_ERROR
-            raise
-        finally:
-            self.done(scope, exchange, time.perf_counter() - start)
+        with request_notes.collecting() as notes:
+            try:
+                await self.serve(scope, receive, exchange)
+            except Refusal as refusal:
+                await self.refuse(scope, exchange, refusal)
+            except BaseException:
+                exchange.status = exchange.status or HTTPStatus.INTERNAL_SERVER_ERROR
+                raise
+            finally:
+                self.done(scope, exchange, time.perf_counter() - start, notes)
 
     async def serve(self, scope: Scope, receive: Receive, exchange: Exchange) -> None:
         path = scope["path"]
@@ -314,7 +316,7 @@ class Gateway:
         )
         await exchange.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def done(self, scope: Scope, exchange: Exchange, seconds: float) -> None:
+    def done(self, scope: Scope, exchange: Exchange, seconds: float, notes: list[str]) -> None:
         if scope["path"] not in OPEN_PATHS:
             metrics.http_request_finished(
                 self.route_of(scope), self.policy.model_name, exchange.status, seconds
@@ -322,12 +324,13 @@ class Gateway:
         if self.policy.log_requests:
             request_id = exchange_id(exchange)
             logger.info(
-                'request %s "%s %s" %d %.1f ms',
+                'request %s "%s %s" %d %.1f ms%s',
                 request_id,
                 scope["method"],
                 logged_path(scope),
                 exchange.status,
                 seconds * 1000,
+                request_notes.suffix(notes),
                 extra={"request_id": request_id},
             )
 

@@ -12,7 +12,9 @@ from typing import Any
 import grpc
 from grpc.aio import ServerInterceptor
 
+from . import request_notes
 from .admission import Admission
+from .errors import VERSIONS_NOT_SERVED
 from .gateway import ServerState, bearer_matches
 from .protocols.kserve_model import new_request_id
 from .repository import DISABLED, REPOSITORY_GRPC_METHODS
@@ -28,6 +30,11 @@ def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
         await context.abort(code, message)
 
     return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def requested_version(request: Any) -> str:
+    """The model version a call names (KServe's servicer would ignore it and serve anyway)."""
+    return getattr(request, "model_version", "") or getattr(request, "version", "")
 
 
 class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
@@ -87,27 +94,32 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
             start = time.perf_counter()
             request_id = getattr(request, "id", "") or new_request_id()
             code = grpc.StatusCode.OK
-            try:
-                if admit and not admission.try_enter():
-                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                    await context.abort(code, admission.refusal())
+            with request_notes.collecting() as notes:
                 try:
-                    return await inner(request, context)
+                    if requested_version(request):
+                        code = grpc.StatusCode.NOT_FOUND
+                        await context.abort(code, VERSIONS_NOT_SERVED)
+                    if admit and not admission.try_enter():
+                        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                        await context.abort(code, admission.refusal())
+                    try:
+                        return await inner(request, context)
+                    finally:
+                        if admit:
+                            admission.leave()
+                except BaseException:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    raise
                 finally:
-                    if admit:
-                        admission.leave()
-            except BaseException:
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            finally:
-                if log_calls:
-                    logger.info(
-                        "grpc %s %s %s %.1f ms",
-                        request_id,
-                        method,
-                        getattr(code, "name", code),
-                        (time.perf_counter() - start) * 1000,
-                        extra={"request_id": request_id},
-                    )
+                    if log_calls:
+                        logger.info(
+                            "grpc %s %s %s %.1f ms%s",
+                            request_id,
+                            method,
+                            getattr(code, "name", code),
+                            (time.perf_counter() - start) * 1000,
+                            request_notes.suffix(notes),
+                            extra={"request_id": request_id},
+                        )
 
         return call

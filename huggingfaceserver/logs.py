@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from typing import TextIO
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(message)s"
@@ -137,6 +138,9 @@ def configure_logging(log_format: str = "text") -> None:
     package_logger.setLevel(logging.INFO)
     package_logger.propagate = False
     logging.getLogger("kserve").addFilter(quiet_client_errors)
+    # KServe's routes answer with FastAPI's ORJSONResponse, which FastAPI now deprecates:
+    # a warning on the first request that the operator can do nothing about.
+    warnings.filterwarnings("ignore", message="ORJSONResponse is deprecated")
 
 
 def batch_access_log() -> None:

@@ -9,6 +9,8 @@ JSON object from its stdout.
     python tests/grpc_client.py HOST:PORT MODEL infer-int64      -> {"status", "message"}
     python tests/grpc_client.py HOST:PORT MODEL status TEXT...   -> {"status", "message"}
     python tests/grpc_client.py HOST:PORT MODEL unload           -> {"status", "message"}
+    python tests/grpc_client.py HOST:PORT MODEL version TEXT...  -> {"status", "message"}
+                                                              (infer naming model version 2)
 
 With ``GRPC_API_KEY`` set, every call sends ``authorization: Bearer <key>``.
 """
@@ -71,6 +73,10 @@ def main(argv: list[str]) -> None:
         text = grpcclient.InferInput("input-0", [len(texts)], "BYTES")
         text.set_data_from_numpy(np.array(texts, dtype=object))
         result = outcome(lambda: client.infer(model, [text], headers=headers))
+    elif mode == "version":
+        text = grpcclient.InferInput("input-0", [len(texts)], "BYTES")
+        text.set_data_from_numpy(np.array(texts, dtype=object))
+        result = outcome(lambda: client.infer(model, [text], model_version="2", headers=headers))
     else:
         result = outcome(lambda: client.unload_model(model, headers=headers))
     print(json.dumps(result))

@@ -173,6 +173,8 @@ def test_model_versions_are_404_and_explain_is_400(server):
     assert version.status_code == infer.status_code == 404
     assert "version" in version.json()["error"]
     assert explain.status_code == 400
+    over_grpc = grpc_call(server, "version", "Hi", key=KEY)
+    assert over_grpc["status"] == "StatusCode.NOT_FOUND" and "version" in over_grpc["message"]
 
 
 def test_repository_unload_then_load_serves_again(server):

@@ -12,6 +12,7 @@ from kserve import Model
 from kserve.errors import ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
+from .. import request_notes
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..errors import BadRequest
 from ..generation.params import SamplingParams
@@ -45,11 +46,16 @@ class RequestLogging:
     enabled: bool = True
     max_len: int | None = None
 
-    def line(self, call: EncoderCall, model: str) -> str:
+    def log(self, call: EncoderCall, model: str) -> None:
+        """The request's inputs on its gateway log line, or on a line of their own."""
+        if not self.enabled:
+            return
         shown = repr(call.texts)
         if self.max_len is not None and len(shown) > self.max_len:
             shown = shown[: self.max_len] + "..."
-        return f"request {call.request_id} model={model} instances={len(call.texts)} {shown}"
+        detail = f"model={model} instances={len(call.texts)} {shown}"
+        if not request_notes.add(detail):
+            logger.info("request %s %s", call.request_id, detail)
 
 
 class BackendModel(Model):
@@ -165,8 +171,7 @@ class EncoderModel(BackendModel):
             request_id = headers.get("x-request-id") or new_request_id()
             texts = texts_from_v1(payload, self.max_inputs_per_request)
             call = EncoderCall(request_id, texts)
-        if self.request_logging.enabled:
-            logger.info("%s", self.request_logging.line(call, self.name))
+        self.request_logging.log(call, self.name)
         return call
 
     async def predict(  # type: ignore[override]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import httpx
 import torch
 
+from huggingfaceserver.admission import Admission
+from huggingfaceserver.gateway import Gateway, GatewayPolicy, ServerState
 from tests.encoders.test_embedding import reference_embeddings
-from tests.harness import client_for
+from tests.harness import build_app, client_for
 
 LOGGER = "huggingfaceserver.protocols.kserve_model"
 LONG_TEXT = "john lives in new york and eats food in paris " * 6
@@ -49,3 +52,21 @@ async def test_disable_log_requests_logs_nothing(encoder, tiny_models, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     await embed(encoder(tiny_models["st_cls"], "--disable_log_requests"), LONG_TEXT)
     assert request_lines(caplog) == []
+
+
+async def test_behind_the_gateway_the_inputs_go_on_its_one_line(encoder, tiny_models, caplog):
+    caplog.set_level(logging.INFO)
+    model = encoder(tiny_models["st_cls"], "--max_log_len", "20")
+    gateway = Gateway(build_app(model), GatewayPolicy(model_name=model.name), Admission(4),
+                      ServerState())  # fmt: skip
+    transport = httpx.ASGITransport(app=gateway)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.post(
+            f"/v1/models/{model.name}:predict",
+            json={"instances": [LONG_TEXT]},
+            headers={"x-request-id": "req-43"},
+        )
+    assert response.status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "req-43" in r.getMessage()]
+    assert f'"POST /v1/models/{model.name}:predict" 200' in line
+    assert " model=model instances=1 " in line and line.endswith("...")
