@@ -45,6 +45,7 @@ V1_BODY = {
 OPENAI_BODIES = {
     "POST /openai/v1/completions", "POST /openai/v1/chat/completions",
     "POST /openai/v1/embeddings", "POST /openai/v1/rerank",
+    "POST /openai/v1/tokenize", "POST /openai/v1/detokenize",
 }  # fmt: skip
 OPERATIONS = OPENAI_BODIES | {
     "GET /openai/v1/models", "GET /openai/v1/models/{model_id}",

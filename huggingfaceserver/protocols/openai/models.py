@@ -9,7 +9,7 @@ from kserve.model_repository import ModelRepository
 
 from ...backends.base import EncoderBackend, GenerationBackend
 from ...errors import BadRequest, NotFound, NotReady
-from ..kserve_model import BackendModel
+from ..kserve_model import BackendModel, GenerationModel
 
 B = TypeVar("B", EncoderBackend, GenerationBackend)
 
@@ -56,3 +56,14 @@ class ServedModels:
 
     def listing(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.card(n) for n in self.registry.get_models()]}
+
+
+def resolve_generation(
+    models: ServedModels, name: str | None, route: str
+) -> tuple[GenerationModel, GenerationBackend, str | None]:
+    """The model, its backend, and the LoRA adapter when ``name`` is an adapter's name."""
+    model = models.get(name)
+    backend = models.backend(model.name, GenerationBackend, route)  # type: ignore[type-abstract]
+    assert isinstance(model, GenerationModel)
+    adapter = name if name is not None and name != model.name else None
+    return model, backend, adapter

@@ -40,7 +40,7 @@ from .chat_template import (
     untrusted_template_error,
 )
 from .errors import InvalidParameter, prompt_too_long_error
-from .requests import ChatCompletionRequest, CompletionRequest
+from .requests import ChatConversation, CompletionRequest
 from .template_sandbox import TemplateLimit
 
 Prompt = tuple[list[int], str | None]
@@ -165,7 +165,7 @@ async def prepare_completion(
 
 
 def chat_text(
-    tokenizer: PreTrainedTokenizerBase, request: ChatCompletionRequest, server_template: str | None
+    tokenizer: PreTrainedTokenizerBase, request: ChatConversation, server_template: str | None
 ) -> str:
     """The conversation rendered by the request's template (trusted by the caller) or the
     server's."""
@@ -194,23 +194,33 @@ def chat_text(
 
 def chat_prompt(
     tokenizer: PreTrainedTokenizerBase,
-    request: ChatCompletionRequest,
+    request: ChatConversation,
     server_template: str | None,
     max_len: int,
+    add_special_tokens: bool = False,
 ) -> Prompt:
-    """Render the conversation and tokenize it (no special tokens added a second time: the
-    template writes them)."""
+    """Render the conversation and tokenize it (by default no special tokens added a second
+    time: the template writes them)."""
     text = chat_text(tokenizer, request, server_template)
-    return tokenize_prompt(tokenizer, text, max_len, "messages", add_special_tokens=False), text
+    ids = tokenize_prompt(tokenizer, text, max_len, "messages", add_special_tokens)
+    return ids, text
 
 
 async def prepare_chat(
-    backend: GenerationBackend, model: GenerationModel, request: ChatCompletionRequest
+    backend: GenerationBackend,
+    model: GenerationModel,
+    request: ChatConversation,
+    add_special_tokens: bool = False,
 ) -> Prompt:
     """The chat's prompt, rendered and tokenized in a worker thread; a template in the request
     is refused unless the server trusts them."""
     if request.chat_template and not model.trust_request_chat_template:
         raise untrusted_template_error()
     return await asyncio.to_thread(
-        chat_prompt, backend.tokenizer, request, model.chat_template, backend.max_model_len
+        chat_prompt,
+        backend.tokenizer,
+        request,
+        model.chat_template,
+        backend.max_model_len,
+        add_special_tokens,
     )

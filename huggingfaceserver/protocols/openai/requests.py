@@ -220,7 +220,30 @@ class CompletionRequest(BaseGenerationRequest):
         return self._sampling_params(max_tokens, self.logprobs)
 
 
-class ChatCompletionRequest(BaseGenerationRequest):
+class ChatConversation(BaseModel):
+    """A chat as its template renders it: what chat completions and ``/v1/tokenize`` share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generation_prompt(cls, cont: bool, info: ValidationInfo) -> bool:
+        if cont and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
+        return cont
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them (text content, ``developer`` as system)."""
+        return [message.for_template() for message in self.messages]
+
+
+class ChatCompletionRequest(ChatConversation, BaseGenerationRequest):
     """``POST /v1/chat/completions``."""
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
@@ -232,16 +255,10 @@ class ChatCompletionRequest(BaseGenerationRequest):
         "echo": is_unset,
     }
 
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     audio: Any = None
     modalities: Any = None
@@ -256,22 +273,11 @@ class ChatCompletionRequest(BaseGenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_or_generation_prompt(cls, cont: bool, info: ValidationInfo) -> bool:
-        if cont and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message needs add_generation_prompt to be false")
-        return cont
-
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """The messages as a chat template takes them (text content, ``developer`` as system)."""
-        return [message.for_template() for message in self.messages]
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """The request as generation settings; ``default_max_tokens`` is the server's default.

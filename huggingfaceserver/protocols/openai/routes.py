@@ -31,6 +31,7 @@ from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
 from .serving_encoders import create_embeddings, create_rerank
+from .tokenization import DetokenizeRequest, TokenizeRequest, create_detokenize, create_tokenize
 
 PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
 DEFAULT_PREFIX = "/openai"
@@ -41,6 +42,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/rerank": RerankRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
 }
 """The body each POST route parses itself, as /openapi.json documents it."""
 SCHEMA_PREFIX = "OpenAI"
@@ -111,6 +114,14 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.post("/v1/rerank")
     async def rerank(request: Request) -> Response:
         return json(await create_rerank(models, await parse(request, RerankRequest)))
+
+    @router.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return json(await create_tokenize(models, await parse(request, TokenizeRequest)))
+
+    @router.post("/v1/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return json(await create_detokenize(models, await parse(request, DetokenizeRequest)))
 
     @router.get("/v1/models")
     async def list_models() -> Response:

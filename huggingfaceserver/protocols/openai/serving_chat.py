@@ -19,7 +19,7 @@ from ...generation.params import ChoiceDelta
 from .bodies import JSONBody, new_id, now, to_json
 from .errors import OpenAIErrorResponse
 from .logprobs import chat_logprobs, completion_logprobs
-from .models import ServedModels
+from .models import ServedModels, resolve_generation
 from .prompts import prepare_chat, prepare_completion
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import (
@@ -42,7 +42,6 @@ from .serving_generation import (
     generate_all,
     logprob_texts,
     plan_jobs,
-    resolve_generation,
     sse,
     until_disconnected,
 )

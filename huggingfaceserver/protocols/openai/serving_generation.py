@@ -20,11 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from ...backends.base import GenerationBackend
 from ...errors import ClientClosedRequest
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
-from ..kserve_model import GenerationModel
 from .bodies import to_json
 from .errors import InvalidParameter, context_length_error
 from .logprobs import TokenLogprobText
-from .models import ServedModels
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
@@ -56,17 +54,6 @@ class ChoiceState:
         """Why the choice ended; backends always say so in a choice's last delta."""
         assert self.finish_reason is not None, "a choice ended without a finish reason"
         return self.finish_reason
-
-
-def resolve_generation(
-    models: ServedModels, name: str | None, route: str
-) -> tuple[GenerationModel, GenerationBackend, str | None]:
-    """The model, its backend, and the LoRA adapter when ``name`` is an adapter's name."""
-    model = models.get(name)
-    backend = models.backend(model.name, GenerationBackend, route)  # type: ignore[type-abstract]
-    assert isinstance(model, GenerationModel)
-    adapter = name if name is not None and name != model.name else None
-    return model, backend, adapter
 
 
 def plan_jobs(

@@ -184,6 +184,21 @@ async def test_greedy_chat_equals_the_transformers_backends(server, reference):
     assert got["usage"] == expected["usage"]
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("tokenize", {"prompt": "Hello world", "return_token_strs": True}),
+        ("tokenize", {"messages": BRIEF}),
+        ("detokenize", {"tokens": [1, 20, 30, 40, 50]}),
+    ],
+)
+async def test_tokenize_and_detokenize_equal_the_transformers_backends(
+    server, reference, route, body
+):
+    got = post(server, route, {"model": "llm", **body})
+    assert got == await post_reference(reference, route, {"model": "llm", **body})
+
+
 async def test_a_text_ending_in_an_incomplete_character_equals_the_transformers_backends(
     server, reference
 ):
