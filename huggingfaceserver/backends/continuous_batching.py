@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import NotReady
-from ..generation.params import ChoiceDelta
+from ..generation.logits import prompt_token_logprobs
+from ..generation.params import ChoiceDelta, TokenLogprob
 from ..generation.sequence import SequenceState, advance
 from ..loop_calls import deferred
 from ..metrics import DecodeLoopMetrics, Timeline
@@ -162,9 +163,15 @@ class ContinuousBatcher:
         """Run the request's prompt, emit its first tokens, merge its rows into a batch."""
         try:
             batch = self.new_batch()
-            logits = batch.prefill(request.prompt_ids, len(request.rows))
+            num_top = request.rows[0].params.prompt_logprobs
+            logits, prompt_logits = batch.prefill(
+                request.prompt_ids, len(request.rows), score_prompt=num_top is not None
+            )
+            scored = None
+            if prompt_logits is not None and num_top is not None:
+                scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
             group = Running(batch, list(request.rows), [request] * len(request.rows))
-            self._advance(group, logits, first=True)
+            self._advance(group, logits, first=True, prompt_logprobs=scored)
         except Exception as exc:  # this request fails, not the loop
             self._end(request, exc)
             return
@@ -189,11 +196,19 @@ class ContinuousBatcher:
         if not group.rows:
             self.running.remove(group)
 
-    def _advance(self, group: Running, logits: torch.Tensor, first: bool = False) -> None:
-        """Choose the rows' next tokens, send each request its deltas, drop the rows that
-        finished or whose request was cancelled."""
+    def _advance(
+        self,
+        group: Running,
+        logits: torch.Tensor,
+        first: bool = False,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        """Choose the rows' next tokens, send each request its deltas (the first ones with
+        the prompt's logprobs, when scored), drop the rows that finished or whose request was
+        cancelled."""
         deltas: dict[Request, list[ChoiceDelta]] = {}
         for owner, delta in zip(group.owners, advance(group.rows, logits), strict=True):
+            delta.prompt_logprobs = prompt_logprobs
             deltas.setdefault(owner, []).append(delta)
         if first:
             [request] = deltas

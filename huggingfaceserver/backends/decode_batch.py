@@ -33,8 +33,13 @@ class DecodeBatch(ABC):
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @abstractmethod
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
-        """Run the prompt once for ``rows`` rows; the first next-token logits ``[rows, V]``."""
+    def prefill(
+        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompt once for ``rows`` rows: the first next-token logits ``[rows, V]``,
+        and with ``score_prompt`` a decoder-only model's logits at every prompt position but
+        the last ``[prompt - 1, V]`` (position ``i`` predicts prompt token ``i + 1``), else
+        None (a seq2seq model's decoder never predicts the prompt)."""
 
     @abstractmethod
     def step(self, tokens: list[int]) -> torch.Tensor:
@@ -81,34 +86,41 @@ class CausalLMBatch(DecodeBatch):
         self.mask = torch.empty(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, every_position: bool = False
+    ) -> torch.Tensor:
+        """The logits ``[rows, positions, V]``: of the last position only, unless
+        ``every_position``."""
         inputs = {"attention_mask": self.mask, "position_ids": position_ids}
+        extra = {**self.extra, "logits_to_keep": 0} if every_position and self.extra else self.extra
         output = self.model(
             input_ids=input_ids,
             past_key_values=self.cache,
             use_cache=True,
             **(inputs if self.takes_positions else {}),
-            **self.extra,
+            **extra,
         )
         self.cache = output.past_key_values
-        return output.logits[:, -1]
+        return output.logits if every_position else output.logits[:, -1:]
 
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
+    def prefill(
+        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         length = len(prompt_ids)
         self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
         positions = torch.arange(length, device=self.device)[None]
-        logits = self._forward(self._ids([prompt_ids]), positions)
+        logits = self._forward(self._ids([prompt_ids]), positions, score_prompt)[0]
         if rows > 1:
             self.cache.batch_repeat_interleave(rows)
         self.mask = self.mask.expand(rows, -1).contiguous()
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
-        return logits.expand(rows, -1)
+        return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         self.mask = F.pad(self.mask, [0, 1], value=1)
         logits = self._forward(self._ids([[token] for token in tokens]), self.positions[:, None])
         self.positions = self.positions + 1
-        return logits
+        return logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.device)
@@ -158,11 +170,13 @@ class Seq2SeqBatch(DecodeBatch):
         self.encoded = torch.empty(0)
         self.cache: Any = None
 
-    def prefill(self, prompt_ids: list[int], rows: int) -> torch.Tensor:
+    def prefill(
+        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         encoder = self.model.get_encoder()
         hidden = encoder(input_ids=self._ids([prompt_ids])).last_hidden_state
         self.encoded = hidden.repeat(rows, 1, 1)
-        return self.step([self.decoder_start_token_id] * rows)
+        return self.step([self.decoder_start_token_id] * rows), None
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         output = self.model(

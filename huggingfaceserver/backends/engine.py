@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -88,7 +89,14 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
-        check_generation_request(prompt_ids, params, adapter, self.max_model_len, self.vocab_size)
+        check_generation_request(
+            prompt_ids,
+            params,
+            adapter,
+            self.max_model_len,
+            self.vocab_size,
+            self.is_encoder_decoder,
+        )
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
@@ -109,7 +117,7 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
                         continue  # ended here by a stop string; the engine is told
                     [token_id] = delta.token_ids
                     text, reason = texts[delta.index].take(token_id, delta.finish_reason)
-                    out.append(ChoiceDelta(delta.index, text, [token_id], delta.logprobs, reason))
+                    out.append(replace(delta, text=text, finish_reason=reason))
                     if reason is not None:
                         running.discard(delta.index)
                         if delta.finish_reason is None:

@@ -93,6 +93,7 @@ def check_generation_request(
     adapter: str | None,
     max_model_len: int,
     vocab_size: int,
+    is_encoder_decoder: bool,
 ) -> None:
     """What a transformers-served model refuses (the protocol layer should have caught it)."""
     if adapter is not None:
@@ -110,6 +111,11 @@ def check_generation_request(
     outside = sorted(i for i in ids if not 0 <= i < vocab_size)
     if outside:
         raise BadRequest(f"token ids outside the vocabulary (0-{vocab_size - 1}): {outside}")
+    if params.prompt_logprobs is not None and is_encoder_decoder:
+        raise BadRequest(
+            "prompt_logprobs needs a decoder-only model: a sequence-to-sequence model's "
+            "prompt is its encoder's input, which it does not predict"
+        )
 
 
 class TransformersGenerator(GenerationBackend):
@@ -185,7 +191,14 @@ class TransformersGenerator(GenerationBackend):
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
         """Refuse what the model cannot do (the protocol layer should have caught it)."""
-        check_generation_request(prompt_ids, params, adapter, self.max_model_len, self.vocab_size)
+        check_generation_request(
+            prompt_ids,
+            params,
+            adapter,
+            self.max_model_len,
+            self.vocab_size,
+            self.is_encoder_decoder,
+        )
 
     def new_sequences(
         self, prompt_ids: list[int], params: SamplingParams, with_text: bool = True

@@ -197,3 +197,27 @@ def token_logprobs(
         top = tuple(zip(top_ids[position][:k], top_values[position][:k], strict=True))
         result[row] = TokenLogprob(int(tokens[row]), chosen[position], top)
     return result
+
+
+PROMPT_LOGPROB_CHUNK = 256
+"""Prompt positions scored at once: a ``[chunk, vocab]`` log-softmax, not ``[prompt, vocab]``."""
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], num_top: int
+) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it, its rank, and the
+    ``num_top`` most likely tokens there; ``logits[i]`` is the model's raw output at position
+    ``i`` (which predicts token ``i + 1``). The first token has none: None."""
+    result: list[TokenLogprob | None] = [None]
+    targets = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logits.device)
+    for start in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+        chunk = logits[start : start + PROMPT_LOGPROB_CHUNK].float().log_softmax(dim=-1)
+        wanted = targets[start : start + PROMPT_LOGPROB_CHUNK]
+        chosen = chunk.gather(1, wanted.unsqueeze(1))
+        ranks = (chunk > chosen).sum(dim=1).add(1).tolist()
+        top_values, top_ids = (t.tolist() for t in chunk.topk(min(num_top, chunk.shape[-1]), -1))
+        for offset, token in enumerate(wanted.tolist()):
+            top = tuple(zip(top_ids[offset], top_values[offset], strict=True))
+            result.append(TokenLogprob(token, float(chosen[offset, 0]), top, ranks[offset]))
+    return result

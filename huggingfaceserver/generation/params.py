@@ -48,6 +48,10 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs; k >= 0: the sampled token's logprob plus the top k alternatives,
     from the model's raw logits (before bias, penalties and temperature)."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's logprob (after the first, which has none) under
+    the model given the tokens before it, its rank, and the top k alternatives (decoder-only
+    models)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -63,6 +67,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
+    """1 for the most likely token; given for prompt tokens."""
 
 
 @dataclass
@@ -80,3 +86,6 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     """None until the choice's last delta: then "stop" (EOS, stop string, stop token) or
     "length" (max_tokens or the context limit)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """On a choice's first delta, when ``prompt_logprobs`` was asked for: one entry per prompt
+    token, None for the first."""

@@ -59,6 +59,7 @@ def _vllm_params(params: SamplingParams) -> vllm.SamplingParams:
         stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
         output_kind=compat.DELTA,
@@ -81,6 +82,19 @@ def to_logprobs(positions: Any, k: int) -> list[TokenLogprob]:
             )
         )
     return out
+
+
+def to_prompt_logprobs(
+    prompt_ids: list[int], positions: list[Any], k: int
+) -> list[TokenLogprob | None]:
+    """vLLM's prompt logprobs (None for the first token, then ``{token id: Logprob}``) as ours,
+    with each prompt token's rank."""
+    scored = to_logprobs(zip(prompt_ids[1:], positions[1:], strict=True), k)
+    ranked = [
+        replace(entry, rank=position[entry.token_id].rank)
+        for entry, position in zip(scored, positions[1:], strict=True)
+    ]
+    return [None, *ranked]
 
 
 class VLLMGenerator(EngineHolder, GenerationBackend):
@@ -140,6 +154,12 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         try:
             async for output in stream:
                 deltas = [self._delta(c, params, seen) for c in output.outputs]
+                if params.prompt_logprobs is not None and output.prompt_logprobs:
+                    scored = to_prompt_logprobs(
+                        prompt_ids, output.prompt_logprobs, params.prompt_logprobs
+                    )
+                    for delta in deltas:
+                        delta.prompt_logprobs = scored
                 generated += max((len(d.token_ids) for d in deltas), default=0)
                 yield (
                     [replace(d, index=i) for d in deltas for i in range(copies)]

@@ -23,11 +23,20 @@ ChatLogprobs = list[ChatCompletionTokenLogprob]
 
 
 class TokenLogprobText(NamedTuple):
-    """One generated token: its text, its logprob, and the top (text, logprob) alternatives."""
+    """One token: its text, its logprob, and the top (text, logprob) alternatives. An echoed
+    prompt's first token has neither (None): nothing comes before it."""
 
     token: str
-    logprob: float
-    top: Sequence[tuple[str, float]] = ()
+    logprob: float | None
+    top: Sequence[tuple[str, float]] | None = ()
+
+
+class EchoedLogprobs(Logprobs):
+    """The completions format, widened to the nulls of an echoed prompt's first token (as
+    OpenAI and vLLM send them)."""
+
+    token_logprobs: list[float | None] | None = None  # type: ignore[assignment]
+    top_logprobs: list[dict[str, float] | None] | None = None  # type: ignore[assignment]
 
 
 def json_logprob(logprob: float) -> float:
@@ -37,23 +46,27 @@ def json_logprob(logprob: float) -> float:
     return float(logprob)
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobText], text_offset: int = 0) -> Logprobs:
+def completion_logprobs(
+    entries: Sequence[TokenLogprobText], text_offset: int = 0
+) -> EchoedLogprobs:
     """The completions format for ``entries``.
 
     ``text_offset`` is where the first token starts in the choice's text (the length of the text
     already sent, or of the echoed prompt); later offsets add up the token texts, as vLLM does.
     """
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for token, logprob, top in entries:
         tokens.append(token)
-        token_logprobs.append(json_logprob(logprob))
-        top_logprobs.append({alt: json_logprob(alt_logprob) for alt, alt_logprob in top})
+        token_logprobs.append(None if logprob is None else json_logprob(logprob))
+        top_logprobs.append(
+            None if top is None else {alt: json_logprob(alt_lp) for alt, alt_lp in top}
+        )
         offsets.append(text_offset)
         text_offset += len(token)
-    return Logprobs(
+    return EchoedLogprobs(
         tokens=tokens,
         token_logprobs=token_logprobs,
         top_logprobs=top_logprobs,
@@ -62,15 +75,16 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], text_offset: int = 
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobText]) -> ChatLogprobs:
-    """The chat format for ``entries``: pass it to the chat choice builders."""
+    """The chat format for ``entries`` (generated tokens: each has a logprob): pass it to the
+    chat choice builders."""
     return [
         ChatCompletionTokenLogprob(
             token=token,
             bytes=list(token.encode("utf-8")),
-            logprob=json_logprob(logprob),
+            logprob=json_logprob(logprob if logprob is not None else math.nan),
             top_logprobs=[
                 TopLogprob(token=alt, bytes=list(alt.encode("utf-8")), logprob=json_logprob(lp))
-                for alt, lp in top
+                for alt, lp in top or ()
             ],
         )
         for token, logprob, top in entries

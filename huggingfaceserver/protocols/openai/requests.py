@@ -55,9 +55,12 @@ _UNSUPPORTED_GENERATION: dict[str, Callable[[Any], bool]] = {
     "guided_choice": is_unset,
     "guided_grammar": is_unset,
     "structured_outputs": is_unset,
-    "prompt_logprobs": is_unset,
     "use_beam_search": is_unset,
 }
+
+
+def coalesce(value: int | None, default: int | None) -> int | None:
+    return default if value is None else value
 
 
 class StreamOptions(BaseModel):
@@ -110,8 +113,10 @@ class BaseGenerationRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
+
+    # vLLM's extension: the prompt tokens' logprobs (and top alternatives), non-streamed.
+    prompt_logprobs: Annotated[int, Strict()] | None = Field(None, ge=0, le=20)
 
     @field_validator("*")
     @classmethod
@@ -133,6 +138,13 @@ class BaseGenerationRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
+
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _not_below_min_tokens(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
@@ -146,7 +158,9 @@ class BaseGenerationRequest(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         greedy = temperature < GREEDY_BELOW
         return SamplingParams(
@@ -167,6 +181,9 @@ class BaseGenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs
+            if self.prompt_logprobs is None
+            else self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
@@ -197,10 +214,17 @@ class CompletionRequest(BaseGenerationRequest):
 
     @field_validator("echo")
     @classmethod
-    def _echo_without_logprobs(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+    def _echo_with_logprobs_not_streamed(
+        cls, echo: bool | None, info: ValidationInfo
+    ) -> bool | None:
+        if echo and info.data.get("logprobs") is not None and info.data.get("stream"):
+            raise ValueError("echo with logprobs is not available when stream is true")
         return echo
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the echoed prompt's tokens get logprobs too (``echo`` with ``logprobs``)."""
+        return bool(self.echo) and self.logprobs is not None
 
     def requested_max_tokens(self) -> int | None:
         """The client's limit on new tokens, if it set one."""
@@ -217,7 +241,10 @@ class CompletionRequest(BaseGenerationRequest):
             max_tokens = default_max_tokens
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-        return self._sampling_params(max_tokens, self.logprobs)
+        # echo with logprobs scores the prompt as vLLM does: with prompt_logprobs' top count,
+        # else logprobs'
+        scored = self.logprobs if self.echo_logprobs else None
+        return self._sampling_params(max_tokens, self.logprobs, scored)
 
 
 class ChatConversation(BaseModel):

@@ -1,9 +1,11 @@
 """Completion and chat responses, built from the ``openai`` package's own types so that the SDK
 parses them (encoder responses, without the SDK, are in :mod:`.encoder_responses`).
 
-One SDK type is narrower than what the API sends, and is widened by a subclass here: a
-streamed completion choice has ``finish_reason: null`` until its last chunk
-(:class:`CompletionStreamChoice`).
+SDK types narrower than what the API sends are widened by subclasses here: a streamed
+completion choice has ``finish_reason: null`` until its last chunk
+(:class:`CompletionStreamChoice`); an echoed prompt's first token has a null logprob, and
+vLLM's ``prompt_logprobs`` extension adds a field (:class:`ScoredCompletionChoice`, and
+``prompt_logprobs`` on a chat completion).
 
 Serialize with :func:`~.bodies.to_json`: the builders set exactly the fields that belong in the
 JSON (``exclude_unset``), so a chat delta carries ``role`` only when asked to and stream chunks
@@ -26,7 +28,11 @@ from openai.types.chat import (
 from openai.types.completion_choice import Logprobs
 
 from .bodies import now
-from .logprobs import ChatLogprobs
+from .logprobs import ChatLogprobs, EchoedLogprobs
+
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+"""vLLM's ``prompt_logprobs``: per prompt token (None for the first), ``{token id: {"logprob",
+"rank", "decoded_token"}}`` for the token and its top alternatives."""
 
 CompletionFinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
@@ -50,6 +56,20 @@ class CompletionStreamChoice(CompletionChoice):
     finish_reason: Literal["stop", "length", "content_filter"] | None = None  # type: ignore[assignment]
 
 
+class ScoredCompletionChoice(CompletionChoice):
+    """A finished completion choice: logprobs may start with an echoed prompt's null, and
+    ``prompt_logprobs`` (vLLM's extension) is set when asked for."""
+
+    logprobs: EchoedLogprobs | None = None  # type: ignore[assignment]
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ScoredCompletion(Completion):
+    """A whole completion, of :class:`ScoredCompletionChoice` choices."""
+
+    choices: list[ScoredCompletionChoice]  # type: ignore[assignment]
+
+
 class CompletionChunk(Completion):
     """One streamed completion chunk: a completion whose choices may be unfinished."""
 
@@ -60,22 +80,28 @@ def completion_choice(
     index: int,
     text: str,
     finish_reason: CompletionFinishReason,
-    logprobs: Logprobs | None = None,
-) -> CompletionChoice:
+    logprobs: EchoedLogprobs | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
+) -> ScoredCompletionChoice:
     """One finished choice of a completion."""
-    return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)
+    choice = ScoredCompletionChoice(
+        index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
+    )
+    if prompt_logprobs is not None:
+        choice.prompt_logprobs = prompt_logprobs
+    return choice
 
 
 def completion_response(
     request_id: str,
     model: str,
-    choices: Sequence[CompletionChoice],
+    choices: Sequence[ScoredCompletionChoice],
     prompt_tokens: int,
     completion_tokens: int,
     created: int | None = None,
-) -> Completion:
+) -> ScoredCompletion:
     """The whole ``/v1/completions`` response."""
-    return Completion(
+    return ScoredCompletion(
         id=request_id,
         object="text_completion",
         created=now() if created is None else created,
@@ -148,9 +174,11 @@ def chat_response(
     prompt_tokens: int,
     completion_tokens: int,
     created: int | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> ChatCompletion:
-    """The whole ``/v1/chat/completions`` response."""
-    return ChatCompletion(
+    """The whole ``/v1/chat/completions`` response; ``prompt_logprobs`` (vLLM's extension, an
+    extra field the SDK keeps) when asked for."""
+    response = ChatCompletion(
         id=request_id,
         object="chat.completion",
         created=now() if created is None else created,
@@ -158,6 +186,9 @@ def chat_response(
         choices=list(choices),
         usage=completion_usage(prompt_tokens, completion_tokens),
     )
+    if prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs  # type: ignore[attr-defined]
+    return response
 
 
 def chat_stream_choice(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .models import ServedModels, resolve_generation
 from .prompts import prepare_chat, prepare_completion
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import (
+    ScoredCompletionChoice,
     chat_choice,
     chat_chunk,
     chat_response,
@@ -38,10 +40,12 @@ from .serving_generation import (
     ChoiceState,
     Job,
     collect,
+    echoed_logprob_texts,
     fill_prompt_texts,
     generate_all,
     logprob_texts,
     plan_jobs,
+    prompt_logprobs_json,
     sse,
     until_disconnected,
 )
@@ -111,17 +115,37 @@ async def create_completion(
     if request.stream:
         return event_stream(completion_events(exchange, echo))
     states = await until_disconnected(raw, collect(backend, jobs))
+    choices = await asyncio.to_thread(completion_choices, exchange, request, states)
+    return exchange.respond(completion_response, choices, states)
+
+
+def completion_choices(
+    exchange: Exchange, request: CompletionRequest, states: list[ChoiceState]
+) -> list[ScoredCompletionChoice]:
+    """The finished choices (blocking: token texts are decoded for logprobs)."""
+    tokenizer, echo = exchange.tokenizer, bool(request.echo)
     choices = []
     for index, state in enumerate(states):
-        prefix = (exchange.job_of(index).prompt_text or "") if echo else ""
+        job = exchange.job_of(index)
+        prefix = (job.prompt_text or "") if echo else ""
         logprobs = None
         if exchange.want_logprobs:
-            logprobs = completion_logprobs(
-                logprob_texts(exchange.tokenizer, state.logprobs), len(prefix)
-            )
+            entries = logprob_texts(tokenizer, state.logprobs)
+            if request.echo_logprobs:
+                scored = state.prompt_logprobs
+                echoed = echoed_logprob_texts(
+                    tokenizer, job.prompt_ids, scored, request.logprobs or 0
+                )
+                entries = echoed + entries
+            logprobs = completion_logprobs(entries, 0 if request.echo_logprobs else len(prefix))
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_json(tokenizer, state.prompt_logprobs)
         text = prefix + "".join(state.text)
-        choices.append(completion_choice(index, text, state.final_reason, logprobs))
-    return exchange.respond(completion_response, choices, states)
+        choices.append(
+            completion_choice(index, text, state.final_reason, logprobs, prompt_logprobs)
+        )
+    return choices
 
 
 async def create_chat_completion(
@@ -143,7 +167,13 @@ async def create_chat_completion(
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, state.logprobs))
         choices.append(chat_choice(index, "".join(state.text), state.final_reason, logprobs))
-    return exchange.respond(chat_response, choices, states)
+    scored = states[0].prompt_logprobs if request.prompt_logprobs is not None else None
+    prompt_logprobs = None
+    if scored is not None:
+        prompt_logprobs = await asyncio.to_thread(prompt_logprobs_json, exchange.tokenizer, scored)
+    return exchange.respond(
+        functools.partial(chat_response, prompt_logprobs=prompt_logprobs), choices, states
+    )
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:

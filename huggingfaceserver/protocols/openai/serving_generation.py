@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -22,7 +22,7 @@ from ...errors import ClientClosedRequest
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
 from .bodies import to_json
 from .errors import InvalidParameter, context_length_error
-from .logprobs import TokenLogprobText
+from .logprobs import TokenLogprobText, json_logprob
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
@@ -48,6 +48,8 @@ class ChoiceState:
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The prompt's, from the choice's first delta, when asked for."""
 
     @property
     def final_reason(self) -> FinishReason:
@@ -157,6 +159,8 @@ async def collect(backend: GenerationBackend, jobs: list[Job]) -> list[ChoiceSta
         state.tokens += len(delta.token_ids)
         state.logprobs.extend(delta.logprobs or [])
         state.finish_reason = delta.finish_reason or state.finish_reason
+        if delta.prompt_logprobs is not None:
+            state.prompt_logprobs = delta.prompt_logprobs
     return states
 
 
@@ -172,6 +176,45 @@ def logprob_texts(
         )
         for lp in logprobs
     ]
+
+
+def echoed_logprob_texts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[int],
+    scored: list[TokenLogprob | None] | None,
+    num_top: int,
+) -> list[TokenLogprobText]:
+    """An echoed prompt's tokens for the completions logprobs format: the first without a
+    logprob, the others with theirs and their top ``num_top`` alternatives (blocking)."""
+    assert scored is not None and len(scored) == len(prompt_ids), "the prompt was not scored"
+    texts = [TokenLogprobText(decode(tokenizer, [prompt_ids[0]]), None, None)]
+    texts += logprob_texts(
+        tokenizer, [replace(entry, top=entry.top[:num_top]) for entry in scored[1:] if entry]
+    )
+    return texts
+
+
+def prompt_logprobs_json(
+    tokenizer: PreTrainedTokenizerBase, scored: list[TokenLogprob | None]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` for the token and its top alternatives (blocking)."""
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        text = decode(tokenizer, [token_id])
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": text}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for scored_token in scored:
+        if scored_token is None:
+            out.append(None)
+            continue
+        token_id = scored_token.token_id
+        position = {str(token_id): entry(token_id, scored_token.logprob, scored_token.rank)}
+        for rank, (alternative, logprob) in enumerate(scored_token.top, 1):
+            position.setdefault(str(alternative), entry(alternative, logprob, rank))
+        out.append(position)
+    return out
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:

@@ -226,6 +226,37 @@ async def test_completion_logprobs_equal_the_transformers_backends(server, refer
             assert top == pytest.approx(top_oracle, abs=1e-3)
 
 
+def same_prompt_logprobs(ours: list, theirs: list) -> None:
+    assert len(ours) == len(theirs) and ours[0] is theirs[0] is None
+    for position, oracle in zip(ours[1:], theirs[1:], strict=True):
+        assert position.keys() == oracle.keys()
+        for token_id, entry in position.items():
+            assert entry["rank"] == oracle[token_id]["rank"]
+            assert entry["decoded_token"] == oracle[token_id]["decoded_token"]
+            assert entry["logprob"] == pytest.approx(oracle[token_id]["logprob"], abs=1e-3)
+
+
+async def test_prompt_logprobs_and_echo_equal_the_transformers_backends(server, reference):
+    body = {"model": "llm", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    scored = {**body, "prompt_logprobs": 2}
+    got = post(server, "completions", scored)["choices"][0]
+    expected = (await post_reference(reference, "completions", scored))["choices"][0]
+    same_prompt_logprobs(got["prompt_logprobs"], expected["prompt_logprobs"])
+    chat = {"model": "llm", "messages": BRIEF, "max_tokens": 2, "prompt_logprobs": 1}
+    got_chat = post(server, "chat/completions", chat)
+    expected_chat = await post_reference(reference, "chat/completions", chat)
+    same_prompt_logprobs(got_chat["prompt_logprobs"], expected_chat["prompt_logprobs"])
+    echoed = {**body, "echo": True, "logprobs": 1}
+    ours = post(server, "completions", echoed)["choices"][0]
+    theirs = (await post_reference(reference, "completions", echoed))["choices"][0]
+    assert ours["text"] == theirs["text"]
+    assert ours["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+    assert ours["logprobs"]["token_logprobs"][0] is None
+    assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        theirs["logprobs"]["token_logprobs"][1:], abs=1e-3
+    )
+
+
 async def test_chat_logprobs_equal_the_transformers_backends(server, reference):
     body = {
         "model": "llm",

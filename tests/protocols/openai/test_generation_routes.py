@@ -764,3 +764,87 @@ async def test_the_largest_seed_with_several_choices(served, stream):
     else:
         assert response.status_code == 200, response.text
         assert [c["index"] for c in response.json()["choices"]] == [0, 1]
+
+
+def prompt_log_softmax(ref: Reference, prompt_ids: list[int]) -> torch.Tensor:
+    """The model's log-softmax at each prompt position but the last: ``[len - 1, vocab]``."""
+    with torch.no_grad():
+        logits = ref.model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]
+    return logits.float().log_softmax(dim=-1)
+
+
+def check_prompt_logprobs(ref: Reference, prompt_ids: list[int], sent: list, top: int) -> None:
+    """vLLM's ``prompt_logprobs`` shape, with the model's own values, ranks and alternatives."""
+    expected = prompt_log_softmax(ref, prompt_ids)
+    assert len(sent) == len(prompt_ids) and sent[0] is None
+    for position, token in enumerate(prompt_ids[1:]):
+        row = expected[position]
+        entries = {int(token_id): entry for token_id, entry in sent[position + 1].items()}
+        assert entries[token]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert entries[token]["rank"] == int((row > row[token]).sum()) + 1
+        assert entries[token]["decoded_token"] == ref.tokenizer.decode([token])
+        alternatives = row.topk(top).indices.tolist()
+        for rank, token_id in enumerate(alternatives, 1):
+            assert entries[token_id]["rank"] == rank
+        assert set(entries) == {token, *alternatives}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+async def test_prompt_logprobs_are_the_models(served, reference, name):
+    ref = reference(name)
+    body = await ok(
+        served(name),
+        COMPLETIONS,
+        {"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3, "n": 2},
+    )
+    for choice in body["choices"]:
+        check_prompt_logprobs(ref, ref.encode(PROMPTS[1]), choice["prompt_logprobs"], 3)
+    plain = await ok(served(name), COMPLETIONS, {"prompt": "x"})
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+async def test_chat_prompt_logprobs_are_the_models(served, reference):
+    ref = reference("llama")
+    body = await ok(
+        served("llama"), CHAT, {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0}
+    )
+    check_prompt_logprobs(ref, ref.chat_ids(MESSAGES), body["prompt_logprobs"], 0)
+
+
+async def test_echo_with_logprobs_scores_the_prompt_too(served, reference, greedy_llama):
+    ref = reference("llama")
+    prompt_ids = ref.encode(PROMPTS[0])
+    new = greedy_llama[0]
+    body = await ok(
+        served("llama"),
+        COMPLETIONS,
+        {"prompt": PROMPTS[0], "echo": True, "logprobs": 1, "temperature": 0, "max_tokens": 4},
+    )
+    (choice,) = body["choices"]
+    logprobs = choice["logprobs"]
+    scored = [*prompt_ids, *new[:4]]
+    assert logprobs["tokens"] == [ref.tokenizer.decode([token]) for token in scored]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = prompt_log_softmax(ref, scored + [0])
+    for position, token in enumerate(scored[1:], 1):
+        assert logprobs["token_logprobs"][position] == pytest.approx(
+            float(expected[position - 1, token]), abs=1e-4
+        )
+        assert len(logprobs["top_logprobs"][position]) == 1
+    assert choice["text"].startswith(PROMPTS[0])
+    assert "prompt_logprobs" not in choice
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "in_message"),
+    [
+        ("t5", {"prompt": PROMPTS[0], "prompt_logprobs": 1}, "decoder-only"),
+        ("llama", {"prompt": PROMPTS[0], "prompt_logprobs": 1, "stream": True}, "stream"),
+        ("llama", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream"),
+        ("llama", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
+async def test_prompt_logprobs_that_cannot_be_given_are_400s(served, name, body, in_message):
+    response = await post(served(name), COMPLETIONS, body)
+    assert response.status_code == 400, response.text
+    assert in_message in response.json()["error"]["message"]

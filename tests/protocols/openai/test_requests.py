@@ -357,10 +357,26 @@ def test_best_of_other_than_n_is_refused():
     assert loc == ("best_of",)
 
 
-def test_echo_with_logprobs_is_refused():
-    loc, _ = refused(completion, echo=True, logprobs=1)
-    assert loc == ("echo",)
-    assert completion(echo=True).echo
+def test_echo_with_logprobs_scores_the_prompt_and_is_not_streamed():
+    assert completion(echo=True, logprobs=2).to_sampling_params().prompt_logprobs == 2
+    assert completion(echo=True).to_sampling_params().prompt_logprobs is None
+    assert completion(logprobs=2).to_sampling_params().prompt_logprobs is None
+    asked = completion(echo=True, logprobs=2, prompt_logprobs=5)
+    assert asked.to_sampling_params().prompt_logprobs == 5
+    loc, message = refused(completion, echo=True, logprobs=1, stream=True)
+    assert loc == ("echo",) and "stream" in message
+
+
+@pytest.mark.parametrize("build", [completion, chat])
+def test_prompt_logprobs_are_bounded_and_not_streamed(build):
+    assert build(prompt_logprobs=0).to_sampling_params().prompt_logprobs == 0
+    assert build(prompt_logprobs=20).to_sampling_params().prompt_logprobs == 20
+    assert build().to_sampling_params().prompt_logprobs is None
+    for value in (-1, 21, True, 1.5):
+        loc, _ = refused(build, prompt_logprobs=value)
+        assert loc == ("prompt_logprobs",)
+    loc, message = refused(build, prompt_logprobs=1, stream=True)
+    assert loc == ("prompt_logprobs",) and "stream" in message
 
 
 def test_min_tokens_above_max_tokens_is_refused():

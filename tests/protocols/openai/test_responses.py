@@ -59,15 +59,36 @@ def test_completion_response_parses_strictly_and_through_the_sdk():
     ]
     response = responses.completion_response("cmpl-1", "m", choices, 3, 5, created=7)
     body = to_json_dict(response)
-    assert Completion.model_validate(body) == response
+    assert responses.ScoredCompletion.model_validate(body) == response
+    parsed_logprobs = Completion.model_validate(body).choices[0].logprobs  # the SDK's type
+    assert parsed_logprobs is not None and parsed_logprobs.model_dump() == logprobs.model_dump()
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert body["choices"][1]["logprobs"] is None
+    assert "prompt_logprobs" not in body["choices"][0]
 
     client = sdk_client(lambda _: httpx.Response(200, json=body))
     parsed = client.completions.create(model="m", prompt="x", logprobs=2)
     assert [c.text for c in parsed.choices] == ["Hello", "Hi"]
     assert parsed.choices[0].logprobs is not None
     assert parsed.choices[0].logprobs.tokens == ["Hel", "lo", "é"]
+
+
+def test_an_echoed_prompts_null_first_logprob_and_prompt_logprobs_reach_the_sdk():
+    echoed = [TokenLogprobText("<s>", None, None), *ENTRIES]
+    prompt_logprobs = [None, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "Hi"}}]
+    choice = responses.completion_choice(
+        0, "Hello", "length", completion_logprobs(echoed), prompt_logprobs
+    )
+    body = to_json_dict(responses.completion_response("cmpl-1", "m", [choice], 3, 5))
+    (sent,) = body["choices"]
+    assert sent["logprobs"]["token_logprobs"][0] is None
+    assert sent["logprobs"]["top_logprobs"][0] is None
+    assert sent["prompt_logprobs"] == prompt_logprobs
+
+    client = sdk_client(lambda _: httpx.Response(200, json=body))
+    (parsed,) = client.completions.create(model="m", prompt="x", echo=True, logprobs=2).choices
+    assert parsed.logprobs is not None and parsed.logprobs.tokens == ["<s>", "Hel", "lo", "é"]
+    assert parsed.prompt_logprobs == prompt_logprobs  # type: ignore[attr-defined]
 
 
 def test_completion_stream_through_the_sdk():
