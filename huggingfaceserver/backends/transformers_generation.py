@@ -24,6 +24,7 @@ from transformers import (
 
 from ..cli import ServerConfig
 from ..errors import BadRequest, StartupError
+from ..generation.constraints import Grammars, LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import ChoiceText, SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
@@ -155,6 +156,9 @@ class TransformersGenerator(GenerationBackend):
         self.batcher = ContinuousBatcher(
             self.new_batch, self.config.max_batch_size, self.config.model_name
         )
+        self.grammars = LazyGrammars(
+            lambda: Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        )
 
     def tune(self) -> None:
         """On CPU, torch's intra-op threads only where they make a forward pass faster (as for
@@ -199,6 +203,8 @@ class TransformersGenerator(GenerationBackend):
             self.vocab_size,
             self.is_encoder_decoder,
         )
+        if params.constraint is not None:
+            self.grammars.get().grammar(params.constraint)  # a 400 for an invalid one
 
     def new_sequences(
         self, prompt_ids: list[int], params: SamplingParams, with_text: bool = True
@@ -211,6 +217,7 @@ class TransformersGenerator(GenerationBackend):
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        constraint = params.constraint
         return [
             SequenceState(
                 index=index,
@@ -220,6 +227,7 @@ class TransformersGenerator(GenerationBackend):
                 budget=budget,
                 generator=self._generator(params, index),
                 text=ChoiceText.for_params(self.tokenizer, params) if with_text else None,
+                matcher=self.grammars.get().matcher(constraint) if constraint else None,
             )
             for index in range(params.n)
         ]
@@ -245,8 +253,12 @@ class TransformersGenerator(GenerationBackend):
     ) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas of the ``params.n`` choices, step by step, from the shared decode loop;
         closing the iterator (or cancelling its consumer) takes the rows out of that loop."""
-        self.check_request(prompt_ids, params, adapter)
-        rows = self.new_sequences(prompt_ids, params)
+        if params.constraint is None:
+            self.check_request(prompt_ids, params, adapter)
+            rows = self.new_sequences(prompt_ids, params)
+        else:  # a grammar is compiled and checked: not on the event loop
+            await asyncio.to_thread(self.check_request, prompt_ids, params, adapter)
+            rows = await asyncio.to_thread(self.new_sequences, prompt_ids, params)
         loop = asyncio.get_running_loop()
         calls = LoopCalls.of(loop)
         queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
+import llguidance
 import torch
 
+from .constraints import mask_disallowed
 from .params import SamplingParams, TokenLogprob
 
 
@@ -39,6 +41,10 @@ class SamplingRow(Protocol):
     def generator(self) -> torch.Generator | None:
         """The row's own random generator; None for greedy rows."""
 
+    @property
+    def matcher(self) -> llguidance.LLMatcher | None:
+        """The row's structured-output matcher; None for unconstrained rows."""
+
 
 def choose_next_tokens(
     logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -52,7 +58,8 @@ def choose_next_tokens(
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Bias, min_tokens and penalties, in vLLM's order (in place; returns ``logits``)."""
+    """Bias, min_tokens, penalties (in vLLM's order), then each constrained row's grammar mask
+    (in place; returns ``logits``)."""
     apply_logit_bias(logits, [row.params.logit_bias for row in rows])
     suppress_tokens(
         logits,
@@ -69,6 +76,9 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         [row.params.presence_penalty for row in rows],
         [row.params.frequency_penalty for row in rows],
     )
+    for index, row in enumerate(rows):
+        if row.matcher is not None:
+            mask_disallowed(logits[index], row.matcher)
     return logits
 
 

@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length"]
+ConstraintKind = Literal["json", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: what every generated text must match, whichever backend serves it."""
+
+    kind: ConstraintKind
+    spec: str
+    """``json``: a JSON schema (JSON text); ``regex``: a regular expression; ``choice``: a JSON
+    list of the allowed strings; ``grammar``: a grammar (GBNF/EBNF or Lark)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,8 @@ class SamplingParams:
     models)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None
+    """Structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``)."""
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -77,12 +78,16 @@ class SequenceState:
     aborted: bool = False
     """Set from another thread when whoever makes the text ended the choice (a stop string):
     the row leaves the batch after the current step."""
+    matcher: llguidance.LLMatcher | None = None
+    """Structured output: the grammar the row's tokens must follow (None: unconstrained)."""
 
     def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Take the next token; the delta it makes, with the finish reason when it ends."""
         self.output_ids.append(token_id)
         ended: FinishReason | None = None
-        if token_id in self.stop_ids:
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+        if token_id in self.stop_ids:  # a finished grammar allows only these
             ended = "stop"
         elif len(self.output_ids) >= self.budget:
             ended = "length"

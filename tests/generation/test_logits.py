@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ class Row:
     output_ids: Sequence[int] = ()
     stop_ids: Collection[int] = ()
     generator: torch.Generator | None = None
+    matcher: Any = None
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -14,7 +14,7 @@ from typing import Any
 
 import vllm
 from vllm import AsyncEngineArgs, ModelRegistry, PoolingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 try:  # vLLM >= 0.11
     from vllm.v1.engine.async_llm import AsyncLLM as AsyncEngine
@@ -51,6 +51,7 @@ __all__ = [
     "FlexibleArgumentParser",
     "LoRARequest",
     "ParamsError",
+    "StructuredOutputsParams",
     "TokensPrompt",
     "embed_params",
     "engine_flag_names",

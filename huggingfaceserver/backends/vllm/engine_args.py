@@ -54,6 +54,12 @@ def parse_lora_modules(values: list[str]) -> list[LoraModule]:
     return modules
 
 
+STRUCTURED_OUTPUTS_FLAG = "structured-outputs-config"
+STRUCTURED_OUTPUTS_DEFAULT = '{"backend": "guidance", "disable_any_whitespace": true}'
+"""Structured output as the transformers backend does it: llguidance, compact JSON (a user's
+``--structured-outputs-config``, after ours, wins)."""
+
+
 def engine_argv(
     source: ModelSource, config: ServerConfig, kv_cache_bytes: int | None = None
 ) -> list[str]:
@@ -76,6 +82,9 @@ def engine_argv(
     if not source.task.is_generative:
         argv += pooling_runner_flags()
     flags = translate_speculative_flags(config.engine_flags)
+    known = engine_flag_names()
+    if source.task.is_generative and STRUCTURED_OUTPUTS_FLAG in known:
+        argv += [f"--{STRUCTURED_OUTPUTS_FLAG}", STRUCTURED_OUTPUTS_DEFAULT]
     flags.pop("lora-modules", None)
     reserved = sorted(f"--{name}" for name in flags if name in RESERVED_FLAGS)
     if reserved:
@@ -83,7 +92,6 @@ def engine_argv(
             f"{' '.join(reserved)}: the model comes from --model_id / --model_dir and its name "
             "from --model_name"
         )
-    known = engine_flag_names()
     ignored = sorted(f"--{name}" for name in flags if name not in known)
     if ignored:
         logger.warning("not engine flags of vLLM %s, ignored: %s", VERSION, " ".join(ignored))

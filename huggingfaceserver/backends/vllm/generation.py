@@ -7,6 +7,7 @@ request means the same thing on both backends. Deltas stream from vLLM with
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +18,14 @@ import vllm
 
 from ...cli import ServerConfig
 from ...errors import BadRequest
-from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+from ...generation.constraints import Grammars, LazyGrammars
+from ...generation.params import (
+    ChoiceDelta,
+    Constraint,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+)
 from ...loading import ModelSource, load_tokenizer
 from ..base import GenerationBackend
 from . import compat
@@ -63,7 +71,17 @@ def _vllm_params(params: SamplingParams) -> vllm.SamplingParams:
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
         output_kind=compat.DELTA,
+        structured_outputs=structured_outputs(params.constraint),
     )
+
+
+def structured_outputs(constraint: Constraint | None) -> compat.StructuredOutputsParams | None:
+    """Our constraint as vLLM's structured-output parameters (compact JSON, the engine's
+    default here: see :mod:`.engine_args`)."""
+    if constraint is None:
+        return None
+    spec: Any = json.loads(constraint.spec) if constraint.kind == "choice" else constraint.spec
+    return compat.StructuredOutputsParams(**{constraint.kind: spec})
 
 
 def to_logprobs(positions: Any, k: int) -> list[TokenLogprob]:
@@ -115,6 +133,8 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         self.max_model_len = compat.max_model_len(self.engine)
         self.is_encoder_decoder = bool(self.source.config.is_encoder_decoder)
         self.vocab_size = len(self.tokenizer)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.grammars = LazyGrammars(lambda: Grammars(self.tokenizer, self.vocab_size, eos))
         self.lora_ids = {name: i + 1 for i, name in enumerate(self.adapters)}
 
     def check_request(
@@ -128,6 +148,8 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
             )
         if adapter is not None and adapter not in self.adapters:
             raise BadRequest(f"unknown LoRA adapter {adapter!r}")
+        if params.constraint is not None:  # checked as the engine's guidance backend would
+            self.grammars.get().grammar(params.constraint)
         to_vllm_params(params)
 
     def lora_request(self, adapter: str | None) -> compat.LoRARequest | None:

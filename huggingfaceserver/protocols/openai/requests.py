@@ -3,7 +3,7 @@
 Unknown fields: requests accept fields they do not know (``extra="allow"``, kept in
 ``model_extra``). OpenAI adds request fields often and ``extra="forbid"`` would break every client
 that sends a new one. Fields that OpenAI (or vLLM) defines but that a plain text-generation server
-cannot honour (tools, structured output, audio, ``suffix``, ``echo`` on chat, ...) are declared,
+cannot honour (tools, audio, ``suffix``, ``echo`` on chat, ...) are declared,
 and a request that gives one of them a value that asks for something is refused with a 400 naming
 the field, instead of being answered as if it had not asked. Hints that do not change the answer
 (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user`` ...) are accepted and
@@ -37,10 +37,12 @@ from .fields import (
     stop_strings,
     unset_or,
 )
+from .structured import GUIDED, request_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for the legacy completions API."""
 DEFAULT_TEMPERATURE = 1.0
+STRUCTURED_OUTPUT_FIELDS = ("response_format", *GUIDED, "structured_outputs")
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy decoding (as in vLLM): dividing by them would overflow."""
 
@@ -49,12 +51,6 @@ _UNSUPPORTED_GENERATION: dict[str, Callable[[Any], bool]] = {
     "tool_choice": unset_or("none", "auto"),
     "functions": is_unset,
     "function_call": unset_or("none", "auto"),
-    "response_format": unset_or({"type": "text"}),
-    "guided_json": is_unset,
-    "guided_regex": is_unset,
-    "guided_choice": is_unset,
-    "guided_grammar": is_unset,
-    "structured_outputs": is_unset,
     "use_beam_search": is_unset,
 }
 
@@ -107,13 +103,16 @@ class BaseGenerationRequest(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    use_beam_search: Any = None
+
+    # Structured output (:mod:`.structured`): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs; at most one of them.
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    use_beam_search: Any = None
 
     # vLLM's extension: the prompt tokens' logprobs (and top alternatives), non-streamed.
     prompt_logprobs: Annotated[int, Strict()] | None = Field(None, ge=0, le=20)
@@ -186,6 +185,9 @@ class BaseGenerationRequest(BaseModel):
             else self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            constraint=request_constraint(
+                {name: getattr(self, name) for name in STRUCTURED_OUTPUT_FIELDS}
+            ),
         )
 
 

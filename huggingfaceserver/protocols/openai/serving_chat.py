@@ -44,7 +44,7 @@ from .serving_generation import (
     fill_prompt_texts,
     generate_all,
     logprob_texts,
-    plan_jobs,
+    plan_jobs_off_loop,
     prompt_logprobs_json,
     sse,
     until_disconnected,
@@ -107,7 +107,7 @@ async def create_completion(
     model, backend, adapter = resolve_generation(models, request.model, "/v1/completions")
     params = request.to_sampling_params()
     prompts = await prepare_completion(backend, model, request)
-    jobs = plan_jobs(backend, prompts, params, "prompt", adapter)
+    jobs = await plan_jobs_off_loop(backend, prompts, params, "prompt", adapter)
     exchange = Exchange.start("cmpl", adapter or model.name, backend, jobs, request.include_usage)
     echo = bool(request.echo)
     if echo:
@@ -154,7 +154,7 @@ async def create_chat_completion(
     model, backend, adapter = resolve_generation(models, request.model, "/v1/chat/completions")
     params = request.to_sampling_params()
     prompt = await prepare_chat(backend, model, request)
-    jobs = plan_jobs(backend, [prompt], params, "messages", adapter)
+    jobs = await plan_jobs_off_loop(backend, [prompt], params, "messages", adapter)
     exchange = Exchange.start(
         "chatcmpl", adapter or model.name, backend, jobs, request.include_usage
     )

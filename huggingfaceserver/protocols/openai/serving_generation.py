@@ -85,6 +85,20 @@ def plan_jobs(
     return jobs
 
 
+async def plan_jobs_off_loop(
+    backend: GenerationBackend,
+    prompts: list[tuple[list[int], str | None]],
+    params: SamplingParams,
+    param_name: str,
+    adapter: str | None = None,
+) -> list[Job]:
+    """:func:`plan_jobs`, in a worker thread when the request has a structured-output
+    constraint (checking it compiles a grammar)."""
+    if params.constraint is None:
+        return plan_jobs(backend, prompts, params, param_name, adapter)
+    return await asyncio.to_thread(plan_jobs, backend, prompts, params, param_name, adapter)
+
+
 def fill_prompt_texts(tokenizer: PreTrainedTokenizerBase, jobs: list[Job]) -> None:
     """Decode the prompts sent as token ids (blocking: for ``echo``, in a worker thread)."""
     for job in jobs:

@@ -338,3 +338,12 @@ def test_backend_vllm_for_an_unsupported_architecture_exits_1(tiny_models):
     assert last.startswith("huggingfaceserver: error: ")
     assert "T5ForConditionalGeneration" in last
     assert "Traceback" not in result.stderr
+
+
+def test_structured_output_is_llguidance_with_compact_json_unless_the_user_says(llama_path):
+    config = engine_args_for(llama_path).structured_outputs_config
+    assert config.backend == "guidance" and config.disable_any_whitespace
+    own = '{"backend": "xgrammar"}'
+    mine = engine_args_for(llama_path, "--structured-outputs-config", own)
+    mine = mine.structured_outputs_config
+    assert mine.backend == "xgrammar" and not mine.disable_any_whitespace

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -255,6 +256,44 @@ async def test_prompt_logprobs_and_echo_equal_the_transformers_backends(server, 
     assert ours["logprobs"]["token_logprobs"][1:] == pytest.approx(
         theirs["logprobs"]["token_logprobs"][1:], abs=1e-3
     )
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"}},
+    "required": ["answer", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("structured", "valid"),
+    [
+        (
+            {"guided_json": ANSWER_SCHEMA},
+            lambda t: jsonschema.validate(json.loads(t), ANSWER_SCHEMA),
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": ANSWER_SCHEMA}}},
+            lambda t: jsonschema.validate(json.loads(t), ANSWER_SCHEMA),
+        ),
+        ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t).group()),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: ["alpha", "beta"].index(t)),
+    ],
+)
+def test_structured_output_holds_on_vllm(server, structured, valid):
+    body = {"model": "llm", "messages": MESSAGES, "max_tokens": 48, "n": 2, "seed": 1}
+    for choice in post(server, "chat/completions", {**body, **structured})["choices"]:
+        valid(choice["message"]["content"])
+
+
+def test_an_invalid_regex_is_a_400_on_vllm(server):
+    response = httpx.post(
+        f"{server.url}/openai/v1/completions",
+        json={"model": "llm", "prompt": "x", "guided_regex": "[0-9"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
 
 
 async def test_chat_logprobs_equal_the_transformers_backends(server, reference):

@@ -5,15 +5,19 @@ OpenAI error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 import torch
 from transformers import (
@@ -848,3 +852,136 @@ async def test_prompt_logprobs_that_cannot_be_given_are_400s(served, name, body,
     response = await post(served(name), COMPLETIONS, body)
     assert response.status_code == 400, response.text
     assert in_message in response.json()["error"]["message"]
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["answer", "n", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": ANSWER_SCHEMA},
+            }
+        },
+        {"guided_json": ANSWER_SCHEMA},
+        {"structured_outputs": {"json": ANSWER_SCHEMA}},
+    ],
+    ids=["response_format", "guided_json", "structured_outputs"],
+)
+async def test_json_schema_output_validates(served, name, structured):
+    body = {"prompt": PROMPTS[0], "max_tokens": 64, "n": 3, "temperature": 1.0, "seed": 1}
+    response = await ok(served(name), COMPLETIONS, {**body, **structured})
+    for choice in response["choices"]:
+        jsonschema.validate(json.loads(choice["text"]), ANSWER_SCHEMA)
+        assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("structured", "matches"),
+    [
+        (
+            {"guided_regex": "[0-9]{3}-[a-z]{2}"},
+            lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text),
+        ),
+        ({"guided_choice": ["alpha", "beta"]}, lambda text: text in ("alpha", "beta")),
+        (
+            {"guided_grammar": 'root ::= "(" ("a" | "b")+ ")"'},
+            lambda text: re.fullmatch(r"\([ab]+\)", text),
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            lambda text: isinstance(json.loads(text), dict),
+        ),
+    ],
+)
+async def test_regex_choice_grammar_and_json_object(served, structured, matches):
+    body = {"messages": MESSAGES, "max_tokens": 48, "n": 2, "seed": 3, **structured}
+    response = await ok(served("llama"), CHAT, body)
+    for choice in response["choices"]:
+        assert matches(choice["message"]["content"]), choice["message"]["content"]
+
+
+async def test_constrained_and_unconstrained_requests_batched_together(served, reference):
+    """Unconstrained rows decoded beside constrained ones are exactly what they are alone."""
+    model = served("llama")
+    alone = await ok(model, COMPLETIONS, {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0})
+    constrained = {"prompt": PROMPTS[1], "max_tokens": 64, "guided_json": ANSWER_SCHEMA}
+    async with client_for(model) as client:
+        mixed = await asyncio.gather(
+            client.post(COMPLETIONS, json=constrained),
+            client.post(COMPLETIONS, json={"prompt": PROMPTS, "max_tokens": 12, "temperature": 0}),
+            client.post(COMPLETIONS, json={**constrained, "n": 2, "seed": 5, "temperature": 1}),
+        )
+    assert [r.status_code for r in mixed] == [200, 200, 200]
+    assert [c["text"] for c in mixed[1].json()["choices"]] == [c["text"] for c in alone["choices"]]
+    for response in (mixed[0], mixed[2]):
+        for choice in response.json()["choices"]:
+            jsonschema.validate(json.loads(choice["text"]), ANSWER_SCHEMA)
+
+
+async def test_sdk_parses_a_pydantic_model(served):
+    class Answer(pydantic.BaseModel):
+        answer: Literal["yes", "no"]
+        n: int = pydantic.Field(ge=0, le=9)
+        ok: bool
+
+    client = sdk(served("llama"))
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    parsed = await parse(model="llama", messages=MESSAGES, response_format=Answer, max_tokens=64)
+    assert isinstance(parsed.choices[0].message.parsed, Answer)
+
+
+async def test_a_tokenizer_llguidance_cannot_read_is_a_400(served):
+    response = await post(served("t5"), COMPLETIONS, {"prompt": "x", "guided_regex": "a+"})
+    assert response.status_code == 400, response.text
+    assert "not available for this model's tokenizer" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("structured", "param", "in_message"),
+    [
+        ({"guided_regex": "[0-9"}, None, "invalid regex"),
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            None,
+            "invalid JSON schema",
+        ),
+        ({"guided_grammar": "root ::= ("}, None, "invalid grammar"),
+        ({"guided_choice": "yes"}, "guided_choice", "list"),
+        ({"guided_regex": "a", "guided_json": {}}, "guided_regex", "only one"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bad_constraints_are_400s(served, structured, param, in_message, stream):
+    response = await post(
+        served("llama"), COMPLETIONS, {"prompt": "x", "stream": stream, **structured}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert in_message in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+async def test_streamed_constrained_output_adds_up_to_the_whole(served):
+    request = {"prompt": PROMPTS[1], "max_tokens": 64, "guided_json": ANSWER_SCHEMA, "n": 2}
+    whole = await ok(served("llama"), COMPLETIONS, {**request, "seed": 9, "temperature": 1})
+    streamed = {**request, "seed": 9, "temperature": 1, "stream": True}
+    chunks = sse_chunks(await post(served("llama"), COMPLETIONS, streamed))
+    texts = {i: "".join(d["text"] for d in deltas) for i, deltas in by_choice(chunks).items()}
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), ANSWER_SCHEMA)

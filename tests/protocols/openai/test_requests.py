@@ -293,17 +293,14 @@ def test_completion_logprobs(logprobs, expected):
 UNSUPPORTED = [
     (completion, "suffix", "!"),
     (completion, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (completion, "response_format", {"type": "json_object"}),
     (chat, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (chat, "tool_choice", "required"),
     (chat, "functions", [{"name": "f"}]),
     (chat, "function_call", {"name": "f"}),
-    (chat, "response_format", {"type": "json_schema", "json_schema": {}}),
     (chat, "audio", {"voice": "alloy", "format": "wav"}),
     (chat, "modalities", ["text", "audio"]),
     (chat, "prediction", {"type": "content", "content": "x"}),
     (chat, "echo", True),
-    (chat, "guided_json", {"type": "object"}),
     (chat, "use_beam_search", True),
 ]
 
