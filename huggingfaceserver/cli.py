@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import StartupError
+from .protocols.openai.tool_parsers import TOOL_PARSERS
 from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
@@ -28,7 +29,7 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     async-scheduling block-size calculate-kv-scales chat-template-content-format code-revision
     compilation-config config-format cpu-offload-gb data-parallel-size disable-custom-all-reduce
     disable-log-stats disable-sliding-window distributed-executor-backend download-dir
-    enable-auto-tool-choice enable-chunked-prefill enable-expert-parallel enable-lora
+    enable-chunked-prefill enable-expert-parallel enable-lora
     enable-prefix-caching enable-prompt-embeds enforce-eager fully-sharded-loras
     generation-config gpu-memory-utilization guided-decoding-backend hf-config-path hf-overrides
     kv-cache-dtype kv-transfer-config limit-mm-per-prompt load-format logits-processor-pattern
@@ -40,7 +41,7 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     override-generation-config override-neuron-config pipeline-parallel-size preemption-mode
     prefix-caching-hash-algo quantization reasoning-parser rope-scaling rope-theta scheduling-policy
     seed served-model-name skip-tokenizer-init speculative-config speculative-model swap-space
-    tensor-parallel-size tokenizer tokenizer-mode tokenizer-pool-size tool-call-parser
+    tensor-parallel-size tokenizer tokenizer-mode tokenizer-pool-size
     use-v2-block-manager worker-cls
     """.split()
 )
@@ -122,6 +123,11 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     """Accept ``chat_template`` in chat requests (vLLM's flag); refused (400) otherwise. Request
     templates render in a sandbox, off the event loop, with time and output limits."""
+    enable_auto_tool_choice: bool = False
+    """Chat with ``tools`` and ``tool_choice: auto``: the model's output is parsed into
+    ``tool_calls`` by ``tool_call_parser`` (vLLM's flags, on both backends)."""
+    tool_call_parser: str | None = None
+    """How the model writes tool calls: ``hermes``, ``llama3_json``, ``mistral``."""
     request_timeout_seconds: float | None = None
     """A request still running after this long gets a 504 and its work is freed (off: None)."""
     shutdown_grace_seconds: float = 25.0
@@ -274,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("max_inputs_per_request", type=int, default=1024, help="texts or prompts per request")
     add_flag("no_truncation", "encoders: refuse over-long inputs (400) instead of truncating")
     add_flag("trust_request_chat_template", "accept chat_template in chat requests")
+    add_flag("enable_auto_tool_choice", "parse tool calls out of chat output (tool_choice auto)")
+    add(
+        "tool_call_parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool call format (tool_choice auto)",
+    )
     add(
         "request_timeout_seconds",
         type=float,
@@ -367,6 +380,8 @@ def parse_args(
         value = own[name]
         if value is not None and not value > 0:  # NaN too
             parser.error(f"--{name} must be a positive number of seconds")
+    if own["enable_auto_tool_choice"] and own["tool_call_parser"] is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if own["api_key"] is not None and not own["api_key"].strip():
         parser.error("--api_key must not be empty")
     return ServerConfig(**own, server=values, engine_flags=flags)

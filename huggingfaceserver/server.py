@@ -173,6 +173,7 @@ def build_model(
             template,
             trust_request_chat_template=config.trust_request_chat_template,
             max_inputs_per_request=config.max_inputs_per_request,
+            auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         )
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")

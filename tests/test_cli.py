@@ -50,6 +50,8 @@ CONTRACT_DEFAULTS = {
     "max_inputs_per_request": 1024,
     "no_truncation": False,
     "trust_request_chat_template": False,
+    "enable_auto_tool_choice": False,
+    "tool_call_parser": None,
     "request_timeout_seconds": None,
     "shutdown_grace_seconds": 25.0,
     "api_key": None,
@@ -99,6 +101,8 @@ OWN_FLAGS = {
     "max_inputs_per_request": ("8", 8),
     "no_truncation": (None, True),
     "trust_request_chat_template": (None, True),
+    "enable_auto_tool_choice": (None, True),
+    "tool_call_parser": ("hermes", "hermes"),
     "request_timeout_seconds": ("2.5", 2.5),
     "shutdown_grace_seconds": ("10", 10.0),
     "api_key": ("s3cret", "s3cret"),
@@ -158,13 +162,28 @@ def test_every_config_field_has_a_flag_in_the_table_below():
     assert set(OWN_FLAGS) == set(CONTRACT_DEFAULTS)
 
 
+COMPANIONS = {"enable_auto_tool_choice": ["--tool-call-parser", "hermes"]}
+"""Flags a flag needs beside it."""
+
+
 @pytest.mark.parametrize("field", sorted(OWN_FLAGS))
 def test_own_flags_accept_both_spellings_and_the_equals_form(field):
     given, expected = OWN_FLAGS[field]
     for flag in spellings_of(field):
         forms = [[flag]] if given is None else [[flag, given], [f"{flag}={given}"]]
         for argv in forms:
+            argv += COMPANIONS.get(field, [])
             assert getattr(parse_args(argv), field) == expected, argv
+
+
+def test_auto_tool_choice_needs_a_known_parser(capsys):
+    for argv, says in [
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["--tool-call-parser", "pythonic-ish"], "invalid choice"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parse_args(argv)
+        assert exited.value.code == 2 and says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

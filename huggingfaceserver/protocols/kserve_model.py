@@ -108,6 +108,7 @@ class GenerationModel(BackendModel):
         chat_template: str | None,
         trust_request_chat_template: bool = False,
         max_inputs_per_request: int = 1024,
+        auto_tool_parser: str | None = None,
     ):
         super().__init__(name, task)
         self.backend = backend
@@ -116,6 +117,9 @@ class GenerationModel(BackendModel):
         """Render ``chat_template`` sent in requests (sandboxed); refuse it otherwise."""
         self.max_inputs_per_request = max_inputs_per_request
         """Prompts (and prompts times ``n``) per completion request."""
+        self.auto_tool_parser = auto_tool_parser
+        """``--tool-call-parser`` with ``--enable-auto-tool-choice``: ``tool_choice: auto``
+        parses the output into tool calls; None: auto is refused."""
 
     async def warm_up(self) -> None:
         ids = self.backend.tokenizer("Hello", add_special_tokens=True)["input_ids"] or [0]

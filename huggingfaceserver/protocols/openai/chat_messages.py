@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -70,4 +71,19 @@ class ChatMessage(BaseModel):
         message["content"] = self.text()
         if self.name is not None:
             message["name"] = self.name
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [call_for_template(call) for call in message["tool_calls"]]
         return message
+
+
+def call_for_template(call: Any) -> Any:
+    """An assistant's earlier tool call as chat templates take it: ``arguments`` as an object
+    (OpenAI sends them as JSON text; templates write them with ``tojson``), as vLLM does."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -103,8 +103,8 @@ def render_request_template(
         **tokenizer.special_tokens_map,
         **variables,
         "messages": chat,
-        "tools": None,
-        "documents": None,
+        "tools": variables.get("tools"),
+        "documents": variables.get("documents"),
         "add_generation_prompt": add_generation_prompt,
     }
     with limited_render():

@@ -184,7 +184,7 @@ def chat_text(
             request.conversation(),
             request.add_generation_prompt,
             request.continue_final_message,
-            request.chat_template_kwargs or {},
+            request.template_kwargs(),
         )
     except TemplateLimit as exc:
         raise template_limit_error(exc) from None

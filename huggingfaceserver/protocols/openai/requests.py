@@ -38,6 +38,7 @@ from .fields import (
     unset_or,
 )
 from .structured import GUIDED, request_constraint
+from .tools import Tool, ToolChoice
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for the legacy completions API."""
@@ -259,6 +260,7 @@ class ChatConversation(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[Tool] | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -271,12 +273,19 @@ class ChatConversation(BaseModel):
         """The messages as a chat template takes them (text content, ``developer`` as system)."""
         return [message.for_template() for message in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's extra variables: ``chat_template_kwargs``, and ``tools``."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
+
 
 class ChatCompletionRequest(ChatConversation, BaseGenerationRequest):
     """``POST /v1/chat/completions``."""
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        **_UNSUPPORTED_GENERATION,
+        **{k: v for k, v in _UNSUPPORTED_GENERATION.items() if k not in ("tools", "tool_choice")},
         "audio": is_unset,
         "modalities": unset_or(["text"]),
         "prediction": is_unset,
@@ -288,12 +297,24 @@ class ChatCompletionRequest(ChatConversation, BaseGenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tool_choice: ToolChoice | None = None  # type: ignore[assignment]
+    parallel_tool_calls: bool | None = None
 
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
     echo: Any = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, choice: Any) -> Any:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(
+                "must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}'
+            )
+        return choice
 
     @field_validator("top_logprobs")
     @classmethod

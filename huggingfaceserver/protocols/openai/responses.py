@@ -151,17 +151,22 @@ def completion_chunk(
 
 def chat_choice(
     index: int,
-    text: str,
+    text: str | None,
     finish_reason: ChatFinishReason,
     logprobs: ChatLogprobs | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> chat_completion.Choice:
-    """One finished choice of a chat completion: an assistant message.
+    """One finished choice of a chat completion: an assistant message, with its
+    ``tool_calls`` when it called tools.
 
     ``logprobs`` (from :func:`chat_logprobs`) is None when the client did not ask for them.
     """
+    message = ChatCompletionMessage(role="assistant", content=text)
+    if tool_calls:
+        message = ChatCompletionMessage(role="assistant", content=text, tool_calls=tool_calls)  # type: ignore[arg-type]
     return chat_completion.Choice(
         index=index,
-        message=ChatCompletionMessage(role="assistant", content=text),
+        message=message,
         finish_reason=finish_reason,
         logprobs=None if logprobs is None else chat_completion.ChoiceLogprobs(content=logprobs),
     )
@@ -198,8 +203,9 @@ def chat_stream_choice(
     logprobs: ChatLogprobs | None = None,
     *,
     first: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> chat_completion_chunk.Choice:
-    """One choice's delta in a chat stream.
+    """One choice's delta in a chat stream (``tool_calls``, whole, in its last delta).
 
     ``first`` puts ``role: "assistant"`` in the delta (the first delta of each choice only);
     ``text=None`` leaves ``content`` out (the final delta that only carries ``finish_reason``).
@@ -207,6 +213,8 @@ def chat_stream_choice(
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
     return chat_completion_chunk.Choice(
         index=index,
         delta=chat_completion_chunk.ChoiceDelta(**delta),

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request, Response
@@ -16,14 +16,15 @@ from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
 from ...errors import ServerError
-from ...generation.params import ChoiceDelta
+from ...generation.params import ChoiceDelta, SamplingParams
 from .bodies import JSONBody, new_id, now, to_json
-from .errors import OpenAIErrorResponse
+from .errors import InvalidParameter, OpenAIErrorResponse
 from .logprobs import chat_logprobs, completion_logprobs
 from .models import ServedModels, resolve_generation
 from .prompts import prepare_chat, prepare_completion
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses import (
+    ChatFinishReason,
     ScoredCompletionChoice,
     chat_choice,
     chat_chunk,
@@ -49,6 +50,7 @@ from .serving_generation import (
     sse,
     until_disconnected,
 )
+from .tools import ToolPlan, ToolStream, plan_tools, tool_call_dicts
 
 logger = logging.getLogger(__name__)
 
@@ -152,21 +154,27 @@ async def create_chat_completion(
     models: ServedModels, request: ChatCompletionRequest, raw: Request
 ) -> Response:
     model, backend, adapter = resolve_generation(models, request.model, "/v1/chat/completions")
-    params = request.to_sampling_params()
+    tools = plan_tools(
+        request.tools, request.tool_choice, request.parallel_tool_calls, model.auto_tool_parser
+    )
+    params = with_tool_plan(request.to_sampling_params(), tools)
     prompt = await prepare_chat(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, [prompt], params, "messages", adapter)
     exchange = Exchange.start(
         "chatcmpl", adapter or model.name, backend, jobs, request.include_usage
     )
     if request.stream:
-        return event_stream(chat_events(exchange))
+        return event_stream(chat_events(exchange, tools))
     states = await until_disconnected(raw, collect(backend, jobs))
     choices = []
     for index, state in enumerate(states):
         logprobs = None
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, state.logprobs))
-        choices.append(chat_choice(index, "".join(state.text), state.final_reason, logprobs))
+        message = tools.message("".join(state.text))
+        calls = tool_call_dicts(message.calls)
+        reason = "tool_calls" if calls else state.final_reason
+        choices.append(chat_choice(index, message.content, reason, logprobs, calls))
     scored = states[0].prompt_logprobs if request.prompt_logprobs is not None else None
     prompt_logprobs = None
     if scored is not None:
@@ -174,6 +182,23 @@ async def create_chat_completion(
     return exchange.respond(
         functools.partial(chat_response, prompt_logprobs=prompt_logprobs), choices, states
     )
+
+
+def with_tool_plan(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    """The sampling settings a tool plan needs: its constraint (``required`` or a named
+    function; not beside another structured output), and the special tokens an auto parser's
+    markers are."""
+    if tools.constraint is not None:
+        if params.constraint is not None:
+            raise InvalidParameter(
+                "tool_choice required or a named function constrains the output already: "
+                "leave out response_format and the guided fields",
+                param="tool_choice",
+            )
+        params = replace(params, constraint=tools.constraint)
+    if tools.parser is not None and tools.parser.keeps_special_tokens:
+        params = replace(params, skip_special_tokens=False)
+    return params
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
@@ -231,18 +256,30 @@ def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
     return framed(exchange, choice_for, completion_chunk)
 
 
-def chat_events(exchange: Exchange) -> AsyncIterator[str]:
+def chat_events(exchange: Exchange, tools: ToolPlan) -> AsyncIterator[str]:
     started: set[int] = set()
+    streams: dict[int, ToolStream] = {}
 
     def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
-        if not _has_content(delta):
+        text, calls = delta.text, None
+        reason: ChatFinishReason | None = delta.finish_reason
+        if tools.calls_tools:
+            stream = streams.setdefault(index, ToolStream(tools))
+            text = stream.push(delta.text)
+            if reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                reason = "tool_calls" if calls else reason
+        if not (text or reason or delta.logprobs):
             return None
         first = index not in started
         started.add(index)
         logprobs = None
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, delta.logprobs or []))
-        text = delta.text if (delta.text or first) else None
-        return chat_stream_choice(index, text, delta.finish_reason, logprobs, first=first)
+        content = text if (text or first) else None
+        return chat_stream_choice(
+            index, content, reason, logprobs, first=first, tool_calls=calls or None
+        )
 
     return framed(exchange, choice_for, chat_chunk)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 from transformers import PreTrainedTokenizerBase
 
 from .errors import InvalidParameter
-from .fields import TokenId, check_unsupported, is_unset
+from .fields import TokenId
 from .models import ServedModels, resolve_generation
 from .prompts import prepare_chat, tokenize_prompt
 from .requests import ChatConversation
@@ -40,12 +40,6 @@ class TokenizeChatRequest(ChatConversation):
     model: str | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
-    tools: Any = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools_yet(cls, value: Any) -> Any:
-        return check_unsupported("tools", value, {"tools": is_unset})
 
 
 def _kind(body: Any) -> Literal["chat", "prompt"]:

@@ -287,6 +287,21 @@ def test_structured_output_holds_on_vllm(server, structured, valid):
         valid(choice["message"]["content"])
 
 
+def test_tool_choice_required_and_named_hold_on_vllm(client):
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": ANSWER_SCHEMA}}]
+    named = {"type": "function", "function": {"name": "answer"}}
+    for choice in ("required", named):
+        response = client.chat.completions.create(
+            model="llm", messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=64,
+            parallel_tool_calls=False, seed=1,
+        )  # fmt: skip
+        (answer,) = response.choices
+        assert answer.finish_reason == "tool_calls"
+        (call,) = answer.message.tool_calls
+        assert call.function.name == "answer"
+        jsonschema.validate(json.loads(call.function.arguments), ANSWER_SCHEMA)
+
+
 def test_an_invalid_regex_is_a_400_on_vllm(server):
     response = httpx.post(
         f"{server.url}/openai/v1/completions",

@@ -147,7 +147,11 @@ async def test_context_length_error_on_the_wire(client):
     [
         ({"model": "m", "messages": USER, "temperature": 3}, "temperature", "temperature"),
         ({"model": "m"}, "messages", "Field required"),
-        ({"model": "m", "messages": USER, "tools": [{"type": "function"}]}, "tools", "tools"),
+        (
+            {"model": "m", "messages": USER, "tools": [{"type": "function"}]},
+            "tools.0.function",
+            "Field required",
+        ),
         ({"model": "m", "messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "'x'"),
         (
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

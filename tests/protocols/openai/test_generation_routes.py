@@ -635,7 +635,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
         (COMPLETIONS, {"prompt": "x", "n": 0}, 400, "n", "n"),
         (CHAT, {"messages": USER, "n": 0}, 400, "n", "n"),
         (CHAT, {"messages": IMAGE}, 400, None, "image_url"),
-        (CHAT, {"messages": USER, "tools": TOOLS}, 400, "tools", "tools"),
+        (CHAT, {"messages": USER, "tools": TOOLS}, 400, "tool_choice", "--enable-auto-tool-choice"),
         (COMPLETIONS, {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias", "x"),
         (
             COMPLETIONS,
@@ -985,3 +985,171 @@ async def test_streamed_constrained_output_adds_up_to_the_whole(served):
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
     for text in texts.values():
         jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["celsius", "kelvin"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMETERS = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["CET", "UTC"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
+AUTO = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+FORCED_HERMES = (
+    r'Ok\.\n<tool_call>\{"name": "get_time", "arguments": \{"tz": "(CET|UTC)"\}\}</tool_call>'
+)
+
+
+async def test_a_named_tool_choice_yields_a_call_whose_arguments_validate(served):
+    response = await sdk(served("llama")).chat.completions.create(
+        model="llama",
+        messages=MESSAGES,
+        tools=WEATHER_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64,
+        n=2,
+        seed=4,
+    )
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+
+
+async def test_required_calls_parse_against_each_functions_schema(served):
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "tool_choice": "required"}
+    body["parallel_tool_calls"] = False  # one call: it fits in what the tiny context leaves
+    response = await ok(served("llama"), CHAT, {**body, "max_tokens": 80, "n": 3, "seed": 2})
+    for choice in response["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        calls = choice["message"]["tool_calls"]
+        assert calls
+        for call in calls:
+            function = call["function"]
+            jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
+
+
+async def test_auto_parses_the_calls_the_model_writes_streamed_or_not(served):
+    # The tiny model writes a Hermes call because a regex makes it; the parser finds it.
+    model = served("llama", *AUTO)
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "max_tokens": 80, "seed": 1}
+    body["guided_regex"] = FORCED_HERMES
+    whole = (await ok(model, CHAT, body))["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == "Ok."
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TIME_PARAMETERS)
+
+    extra = {"guided_regex": body.pop("guided_regex")}
+    stream = await sdk(model).chat.completions.create(
+        model="llama", stream=True, extra_body=extra, **body
+    )
+    content, calls, reasons = "", [], []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            reasons.append(choice.finish_reason)
+    assert content == "Ok." and reasons[-1] == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (call["function"]["name"], call["function"]["arguments"])
+    ]
+
+
+async def test_auto_without_a_call_is_content(served):
+    model = served("llama", *AUTO)
+    body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "max_tokens": 8, "temperature": 0}
+    (choice,) = (await ok(model, CHAT, body))["choices"]
+    assert "tool_calls" not in choice["message"] or not choice["message"]["tool_calls"]
+    assert choice["finish_reason"] != "tool_calls"
+
+
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}"
+    "(call {{ c.function.name }} {{ c.function.arguments | tojson }}){% endfor %}"
+    "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}<assistant>"
+)
+
+
+async def test_tools_and_tool_results_go_through_the_template(served, reference):
+    ref = reference("llama")
+    arguments = {"city": "Paris", "unit": "celsius"}
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps(arguments)}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]  # fmt: skip
+    body = {"messages": messages, "tools": WEATHER_TOOLS, "chat_template": TOOL_TEMPLATE}
+    got = await ok(served("llama", TRUST), "/openai/v1/tokenize", body)
+    expected_messages = [dict(m) for m in messages]
+    expected_messages[2] = {**messages[2], "content": ""}
+    expected_messages[2]["tool_calls"] = [
+        {
+            **messages[2]["tool_calls"][0],
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+    ]
+    text = ref.tokenizer.apply_chat_template(
+        expected_messages, tools=WEATHER_TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False
+    )
+    assert '(call get_weather {"city": "Paris", "unit": "celsius"})' in text
+    assert "<tool>18 degrees#call_1" in text and "[tool get_time]" in text
+    assert got["tokens"] == ref.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "in_message"),
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tool_choice": "required", "guided_json": {}}, "tool_choice", "constrains the output"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None, "pattern"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "nonsense"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            None,
+            "invalid JSON schema",
+        ),
+    ],
+)
+async def test_bad_tool_requests_are_400s(served, body, param, in_message):
+    request = {"messages": MESSAGES, "tools": WEATHER_TOOLS, **body}
+    response = await post(served("llama"), CHAT, request)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert in_message in error["message"]
+    if param is not None:
+        assert error["param"] == param

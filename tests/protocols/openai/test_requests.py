@@ -293,8 +293,6 @@ def test_completion_logprobs(logprobs, expected):
 UNSUPPORTED = [
     (completion, "suffix", "!"),
     (completion, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (chat, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (chat, "tool_choice", "required"),
     (chat, "functions", [{"name": "f"}]),
     (chat, "function_call", {"name": "f"}),
     (chat, "audio", {"voice": "alloy", "format": "wav"}),
