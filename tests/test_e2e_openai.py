@@ -229,3 +229,41 @@ def test_empty_prefix_serves_openai_at_the_root(root_server):
     assert chat.choices[0].message.role == "assistant"
     predict = httpx.post(f"{url}/v1/models/llama:predict", json={"instances": ["x"]}, timeout=5)
     assert predict.status_code == 400 and isinstance(predict.json()["error"], str)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"}},
+    "required": ["answer", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_tools_and_prompt_logprobs(server, client, reference):
+    """What issue 13 added, through this layout: a schema holds, a named tool's arguments
+    parse, prompt logprobs come, and a bad regex is a 400 before a stream starts."""
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    chat = client.chat.completions.create(
+        model="llama", messages=MESSAGES, max_tokens=48, n=2, seed=3, response_format=schema
+    )
+    for choice in chat.choices:
+        assert set(json.loads(choice.message.content)) == {"answer", "ok"}
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": ANSWER}}]
+    named = {"type": "function", "function": {"name": "answer"}}
+    called = client.chat.completions.create(
+        model="llama", messages=MESSAGES, max_tokens=48, tools=tools, tool_choice=named
+    )
+    (call,) = called.choices[0].message.tool_calls
+    assert set(json.loads(call.function.arguments)) == {"answer", "ok"}
+    scored = httpx.post(
+        f"{server.url}/openai/v1/completions",
+        json={"prompt": "Hello world", "max_tokens": 2, "prompt_logprobs": 1},
+        timeout=60,
+    ).json()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(reference.encode("Hello world"))
+    bad = httpx.post(
+        f"{server.url}/openai/v1/completions",
+        json={"prompt": "x", "stream": True, "guided_regex": "[0-9"},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and "invalid regex" in bad.json()["error"]["message"]

@@ -19,6 +19,7 @@ from transformers import BatchEncoding
 from ..cli import ServerConfig
 from ..engine.client import EngineClient
 from ..errors import StartupError
+from ..generation.constraints import Grammars, LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import ChoiceText
 from ..loading import ModelSource, load_tokenizer
@@ -85,10 +86,13 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.is_encoder_decoder = facts.is_encoder_decoder
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.grammars = LazyGrammars(lambda: Grammars(self.tokenizer, self.vocab_size, eos))
 
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
+        """Checked here as the engine will (a 400 before a stream starts), constraints too."""
         check_generation_request(
             prompt_ids,
             params,
@@ -97,6 +101,8 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
             self.vocab_size,
             self.is_encoder_decoder,
         )
+        if params.constraint is not None:
+            self.grammars.get().grammar(params.constraint)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
