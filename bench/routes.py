@@ -84,8 +84,11 @@ def _events(line: bytes) -> Any:
     return None if data == b"[DONE]" else orjson.loads(data)
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy streamed completion of exactly ``max_tokens`` tokens, with usage at the end."""
+def completion_body(
+    model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A greedy streamed completion of exactly ``max_tokens`` tokens, with usage at the end
+    (and the ``extra`` fields, e.g. a structured-output constraint)."""
     return {
         "model": model,
         "prompt": prompt,
@@ -93,6 +96,7 @@ def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
 
 
@@ -126,13 +130,14 @@ def openai_completion_stream(
     prompts: Sequence[str],
     max_tokens: int,
     path: str = "/openai/v1/completions",
+    extra: dict[str, Any] | None = None,
 ) -> Call:
     """A streamed completion (``POST /openai/v1/completions``, or ``path``: vLLM's own server
     has it at ``/v1/completions``): latency, time to first text and tokens."""
     url = f"{base_url}{path}"
 
     async def call(session: aiohttp.ClientSession, index: int) -> Sample:
-        body = completion_body(model, prompts[index % len(prompts)], max_tokens)
+        body = completion_body(model, prompts[index % len(prompts)], max_tokens, extra)
         sample, tokens = await _stream(session, url, body)
         if sample.error is None and tokens != max_tokens:
             raise TokenCountMismatch(

@@ -132,6 +132,12 @@ def _vllm(context: Context) -> Outcome:
     return vllm_tier.measure(model_dir, context.settings, context.cache, context.log_dir)
 
 
+def _structured(context: Context) -> Outcome:
+    from . import structured
+
+    return structured.measure(context.models.llama, context.settings, context.log_dir)
+
+
 def _vllm_unavailable() -> str | None:
     from .vllm_tier import unavailable
 
@@ -161,6 +167,7 @@ SUITES = (
     Suite("overhead", "cpu", _overhead),
     Suite("coldstart", "cpu", _cold_start),
     Suite("vllm", "cpu", _vllm, _vllm_unavailable),
+    Suite("structured", "cpu", _structured),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
 )
