@@ -100,9 +100,8 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
             self.max_model_len,
             self.vocab_size,
             self.is_encoder_decoder,
+            self.grammars,
         )
-        if params.constraint is not None:
-            self.grammars.get().grammar(params.constraint)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

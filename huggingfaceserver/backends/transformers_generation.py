@@ -95,8 +95,10 @@ def check_generation_request(
     max_model_len: int,
     vocab_size: int,
     is_encoder_decoder: bool,
+    grammars: LazyGrammars,
 ) -> None:
-    """What a transformers-served model refuses (the protocol layer should have caught it)."""
+    """What a transformers-served model refuses (the protocol layer should have caught it),
+    an invalid structured-output constraint included."""
     if adapter is not None:
         raise BadRequest("LoRA adapters are served by the vLLM backend only")
     if not prompt_ids:
@@ -117,6 +119,8 @@ def check_generation_request(
             "prompt_logprobs needs a decoder-only model: a sequence-to-sequence model's "
             "prompt is its encoder's input, which it does not predict"
         )
+    if params.constraint is not None:
+        grammars.get().grammar(params.constraint)  # compiled and checked once, then cached
 
 
 class TransformersGenerator(GenerationBackend):
@@ -202,9 +206,8 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             self.vocab_size,
             self.is_encoder_decoder,
+            self.grammars,
         )
-        if params.constraint is not None:
-            self.grammars.get().grammar(params.constraint)  # a 400 for an invalid one
 
     def new_sequences(
         self, prompt_ids: list[int], params: SamplingParams, with_text: bool = True
