@@ -159,12 +159,14 @@ def probing(urls: list[str]) -> Iterator[Prober]:
 
 
 def vmrss_bytes(pid: int) -> int:
-    """A process's resident memory (0 once it is gone)."""
+    """A process's resident memory (0 once it is gone, or while it is a zombie: a zombie's
+    status has no VmRSS line)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
-    return 1024 * int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1])
+    rss_lines = [ln for ln in status.splitlines() if ln.startswith("VmRSS:")]
+    return 1024 * int(rss_lines[0].split()[1]) if rss_lines else 0
 
 
 def rss_bytes(server: ServerProcess) -> int:
