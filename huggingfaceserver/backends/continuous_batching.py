@@ -1,12 +1,15 @@
 """Continuous batching: one decode loop, in one thread, shared by every generation request.
 
 Requests wait in a queue. Between two decode steps the loop admits the waiting ones (first come,
-first served, while the running rows stay within ``max_rows``): each one's prompt is run alone
-(so its first token is exactly what it would be alone), then its rows join the running batch.
+first served, while the running rows stay within ``max_rows``): the prompts of the requests
+admitted together run as one left-padded forward where the model allows it (grouped by length,
+so that padding stays bounded; a request that scores its prompt runs alone), then their rows
+join the running batch.
 Every step then feeds all running rows at once; each row samples with its own settings and
 generator, and each request receives its own rows' deltas. Finished rows and rows of requests
-whose consumer left drop out after the step. A failing prefill fails its own request; a failing
-step fails the requests of that batch; the loop goes on.
+whose consumer left drop out after the step. A failing prefill fails its own request (a group's
+prompts are then run one at a time); a failing step fails the requests of that batch; the loop
+goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from .decode_batch import DecodeBatch
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+PADDING_LIMIT = 1.5
+"""Prompts prefill together while their padded batch holds at most this many times their
+tokens."""
 
 Emit = Callable[[list[ChoiceDelta] | BaseException | None], None]
 """Where a request's output goes: each step's deltas, then None, or the exception that ended
@@ -129,8 +136,8 @@ class ContinuousBatcher:
                 admitted = self._admit()
             self._run_calls()
             with torch.inference_mode(), deferred():  # loops woken once per step
-                for request in admitted:
-                    self._start(request)
+                for requests in prefill_groups(admitted):
+                    self._start(requests)
                 for group in list(self.running):
                     self._step(group)
         stopped = NotReady("the server is shutting down")
@@ -159,21 +166,44 @@ class ContinuousBatcher:
             self.metrics.queue_length(len(self.waiting), len(self.waiting) - queued)
         return admitted
 
-    def _start(self, request: Request) -> None:
-        """Run the request's prompt, emit its first tokens, merge its rows into a batch."""
+    def _start(self, requests: list[Request]) -> None:
+        """Run the requests' prompts (together, where the model allows it), emit their first
+        tokens, merge their rows into the running batch."""
+        batch = self.new_batch()
+        if len(requests) > 1 and not batch.prefills_together:
+            for request in requests:
+                self._start([request])
+            return
         try:
-            batch = self.new_batch()
-            num_top = request.rows[0].params.prompt_logprobs
-            logits, prompt_logits = batch.prefill(
-                request.prompt_ids, len(request.rows), score_prompt=num_top is not None
-            )
             scored = None
-            if prompt_logits is not None and num_top is not None:
-                scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
-            group = Running(batch, list(request.rows), [request] * len(request.rows))
+            if len(requests) == 1:
+                [request] = requests
+                num_top = request.rows[0].params.prompt_logprobs
+                logits, prompt_logits = batch.prefill(
+                    request.prompt_ids, len(request.rows), score_prompt=num_top is not None
+                )
+                if prompt_logits is not None and num_top is not None:
+                    scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
+            else:
+                logits = batch.prefill_together(
+                    [request.prompt_ids for request in requests],
+                    [len(request.rows) for request in requests],
+                )
+        except Exception as exc:  # its request fails, not the loop
+            if len(requests) == 1:
+                self._end(requests[0], exc)
+            else:  # one at a time: a prompt that breaks the model fails only its request
+                for request in requests:
+                    self._start([request])
+            return
+        rows = [row for request in requests for row in request.rows]
+        owners = [request for request in requests for _ in request.rows]
+        group = Running(batch, rows, owners)
+        try:
             self._advance(group, logits, first=True, prompt_logprobs=scored)
-        except Exception as exc:  # this request fails, not the loop
-            self._end(request, exc)
+        except Exception as exc:
+            for request in requests:
+                self._end(request, exc)
             return
         if not group.rows:
             return
@@ -211,8 +241,10 @@ class ContinuousBatcher:
             delta.prompt_logprobs = prompt_logprobs
             deltas.setdefault(owner, []).append(delta)
         if first:
-            [request] = deltas
-            self.metrics.first_tokens(request.timeline, len(request.prompt_ids), len(group.rows))
+            for request in deltas:
+                self.metrics.first_tokens(
+                    request.timeline, len(request.prompt_ids), len(request.rows)
+                )
         else:
             self.metrics.step((owner.timeline for owner in deltas), len(group.rows))
         for owner, step in deltas.items():
@@ -246,6 +278,29 @@ class ContinuousBatcher:
             (finished_reason(row, outcome) for row in request.rows),
             max(len(row.output_ids) for row in request.rows),
         )
+
+
+def prefill_groups(requests: list[Request]) -> list[list[Request]]:
+    """The admitted requests in groups whose prompts may run as one forward: a request that
+    scores its prompt alone, the others by prompt length, each group's padded batch at most
+    :data:`PADDING_LIMIT` times its tokens."""
+    scoring = [r for r in requests if r.rows[0].params.prompt_logprobs is not None]
+    groups = [[request] for request in scoring]
+    group: list[Request] = []
+    tokens = 0
+    for request in sorted(
+        (r for r in requests if r.rows[0].params.prompt_logprobs is None),
+        key=lambda r: len(r.prompt_ids),
+    ):
+        length = len(request.prompt_ids)  # the longest so far: the group's padded length
+        if group and (len(group) + 1) * length > PADDING_LIMIT * (tokens + length):
+            groups.append(group)
+            group, tokens = [], 0
+        group.append(request)
+        tokens += length
+    if group:
+        groups.append(group)
+    return groups
 
 
 def finished_reason(row: SequenceState, outcome: BaseException | None) -> str:

@@ -1,12 +1,13 @@
 """The model side of rows decoded together: their KV cache, one new token per row a step.
 
-A batch starts as one request's rows (its prompt run once, the cache repeated per row). A
-decoder-only model whose cache is a plain :class:`~transformers.DynamicCache` and whose forward
-takes ``position_ids`` can then *absorb* other batches: both caches are left-padded to the same
-length and concatenated, an attention mask hides the padding and each row keeps its own
-positions, so rows of requests that started at different times step together (continuous
-batching). Other models (sequence-to-sequence, sliding-window or recurrent caches) keep one
-batch per request.
+A batch starts as one request's rows (its prompt run once, the cache repeated per row), or, for
+a decoder-only model whose forward takes ``position_ids``, as the rows of several requests
+admitted together: their prompts left-padded into one forward, as ``generate`` runs a batch. A
+decoder-only model whose cache is a plain :class:`~transformers.DynamicCache` can then *absorb*
+other batches: both caches are left-padded to the same length and concatenated, an attention
+mask hides the padding and each row keeps its own positions, so rows of requests that started at
+different times step together (continuous batching). Other models (sequence-to-sequence,
+sliding-window or recurrent caches) keep one batch per request.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ class DecodeBatch(ABC):
         and with ``score_prompt`` a decoder-only model's logits at every prompt position but
         the last ``[prompt - 1, V]`` (position ``i`` predicts prompt token ``i + 1``), else
         None (a seq2seq model's decoder never predicts the prompt)."""
+
+    @property
+    def prefills_together(self) -> bool:
+        """Whether :meth:`prefill_together` runs several prompts in one forward."""
+        return False
+
+    def prefill_together(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Run the prompts as one batch, prompt ``i`` for ``rows[i]`` rows (rows in the order of
+        the prompts): the first next-token logits ``[sum(rows), V]``. Only where
+        :attr:`prefills_together`."""
+        raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
 
     @abstractmethod
     def step(self, tokens: list[int]) -> torch.Tensor:
@@ -115,6 +127,33 @@ class CausalLMBatch(DecodeBatch):
         self.mask = self.mask.expand(rows, -1).contiguous()
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
         return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
+
+    @property
+    def prefills_together(self) -> bool:
+        return self.takes_positions  # left padding needs each row's own positions
+
+    def prefill_together(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        length = max(len(ids) for ids in prompts)
+        self.mask = torch.tensor(
+            [[0] * (length - len(ids)) + [1] * len(ids) for ids in prompts],
+            dtype=torch.long,
+            device=self.device,
+        )
+        ids = self._ids([[0] * (length - len(ids)) + ids for ids in prompts])  # 0: masked out
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids, positions)[:, -1]
+        lengths = torch.tensor([len(ids) for ids in prompts], device=self.device)
+        if any(count != 1 for count in rows):
+            index = torch.repeat_interleave(
+                torch.arange(len(prompts), device=self.device),
+                torch.tensor(rows, device=self.device),
+            )
+            self.cache.batch_select_indices(index)
+            self.mask = self.mask.index_select(0, index)
+            logits = logits.index_select(0, index)
+            lengths = lengths.index_select(0, index)
+        self.positions = lengths
+        return logits
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         self.mask = F.pad(self.mask, [0, 1], value=1)

@@ -112,6 +112,22 @@ def forward_batch_sizes(backend: TransformersGenerator) -> Iterator[list[int]]:
         handle.remove()
 
 
+@contextmanager
+def forward_shapes(backend: TransformersGenerator) -> Iterator[list[tuple[int, int]]]:
+    """The (rows, positions) of every model forward call's input ids inside the block."""
+    shapes: list[tuple[int, int]] = []
+
+    def record(_module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", kwargs.get("decoder_input_ids"))
+        shapes.append((int(ids.shape[0]), int(ids.shape[1])))
+
+    handle = backend.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield shapes
+    finally:
+        handle.remove()
+
+
 def wait_until_idle(backend: TransformersGenerator, timeout: float = 10.0) -> bool:
     """Wait until the backend's decode loop has no request left; False on timeout."""
     deadline = time.monotonic() + timeout

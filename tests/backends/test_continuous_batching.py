@@ -7,23 +7,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from huggingfaceserver.backends.continuous_batching import (
+    PADDING_LIMIT,
+    prefill_groups,
+)
+from huggingfaceserver.backends.continuous_batching import (
+    Request as LoopRequest,
+)
 from huggingfaceserver.backends.transformers_generation import TransformersGenerator
 from huggingfaceserver.errors import NotReady
 from huggingfaceserver.generation.params import SamplingParams
+from huggingfaceserver.generation.sequence import SequenceState
 
 from .generation_helpers import (
     PROMPTS,
     Choice,
     check_delta,
     forward_batch_sizes,
+    forward_shapes,
     load,
     prompt,
     reference_greedy,
@@ -75,6 +84,16 @@ async def staggered(
     return await asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
 
 
+@asynccontextmanager
+async def admitted_together(backend: TransformersGenerator) -> AsyncIterator[None]:
+    """Requests started in the block reach the decode loop's queue before it admits any of
+    them: the block holds the loop's lock (reentrant, so ``submit`` from this thread passes)
+    until every task started in it has submitted."""
+    with backend.batcher.wake:
+        yield
+        await asyncio.sleep(0.05)
+
+
 async def alone(backend: TransformersGenerator, requests: list[Request]) -> list[list[Choice]]:
     return [await run(backend, *request) for request in requests]
 
@@ -121,6 +140,108 @@ async def test_each_request_keeps_its_own_settings(backends) -> None:
             for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+async def test_requests_admitted_together_prefill_together_and_keep_their_settings(
+    backends,
+) -> None:
+    backend = backends("llama")
+    longer = prompt(backend, PROMPTS[2])
+    shorter = longer[len(longer) // 4 :]  # within the padding limit of the longer one
+    requests: list[Request] = [
+        (shorter, replace(GREEDY, logprobs=2)),
+        (shorter, SamplingParams(n=2, seed=7, max_tokens=12, ignore_eos=True)),
+        (longer, SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=20, logprobs=0)),
+        (longer, replace(GREEDY, n=2, presence_penalty=2.0, max_tokens=10)),
+    ]
+    expected = await alone(backend, requests)
+    with forward_shapes(backend) as shapes:
+        async with admitted_together(backend):
+            tasks = [asyncio.create_task(run(backend, *r)) for r in requests]
+        together = await asyncio.gather(*tasks)
+    prefills = [shape for shape in shapes if shape[1] > 1]
+    assert prefills == [(len(requests), len(longer))]  # one forward, padded to the longest
+    assert max(rows for rows, _ in shapes) == 6  # and their six rows step together
+    assert tokens(together) == tokens(expected)
+    for got, want in zip(together, expected, strict=True):
+        assert [c.text for c in got] == [c.text for c in want]
+        for mine, theirs in zip(got, want, strict=True):
+            for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+                assert a.token_id == b.token_id
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+async def test_a_request_scoring_its_prompt_prefills_alone(backends) -> None:
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[1])
+    requests: list[Request] = [
+        (ids, GREEDY),
+        (ids, replace(GREEDY, prompt_logprobs=1)),
+        (ids, GREEDY),
+    ]
+    expected = await alone(backend, requests)
+    with forward_shapes(backend) as shapes:
+        async with admitted_together(backend):
+            tasks = [asyncio.create_task(run(backend, *r)) for r in requests]
+        together = await asyncio.gather(*tasks)
+    assert sorted(shape for shape in shapes if shape[1] > 1) == [(1, len(ids)), (2, len(ids))]
+    assert tokens(together) == tokens(expected)
+
+
+async def test_a_prompt_that_fails_a_group_prefill_fails_only_its_request(backends) -> None:
+    backend = backends("llama")
+    good_ids = prompt(backend, PROMPTS[1])
+    poison = next(i for i in range(backend.vocab_size) if i not in good_ids)
+    bad_ids = [*good_ids[:-1], poison]
+    (expected,) = await run(backend, good_ids, GREEDY)
+
+    def fail_on_poison(_module, _args, kwargs) -> None:
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1 and bool((ids == poison).any()):
+            raise RuntimeError("this prompt breaks the model")
+
+    with forward_shapes(backend) as shapes:  # its hook runs first: it sees the failing call
+        hook = backend.model.register_forward_pre_hook(fail_on_poison, with_kwargs=True)
+        try:
+            async with admitted_together(backend):
+                tasks = [
+                    asyncio.create_task(run(backend, good_ids, GREEDY)),
+                    asyncio.create_task(run(backend, bad_ids, GREEDY)),
+                ]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            hook.remove()
+    assert (2, len(good_ids)) in shapes  # tried together first, then one at a time
+    assert results[0] == [expected]
+    assert isinstance(results[1], RuntimeError)
+    assert await asyncio.to_thread(wait_until_idle, backend)
+
+
+def test_prefill_groups_bound_padding_and_keep_scoring_requests_alone() -> None:
+    def request(length: int, prompt_logprobs: int | None = None) -> LoopRequest:
+        params = SamplingParams(prompt_logprobs=prompt_logprobs)
+        return LoopRequest(rows=[_row(length, params)], emit=lambda _: None)
+
+    short, short2, mid, long = request(4), request(5), request(6), request(40)
+    scoring = request(5, prompt_logprobs=0)
+    groups = prefill_groups([long, short, scoring, mid, short2])
+    assert groups == [[scoring], [short, short2, mid], [long]]
+    for group in groups:
+        lengths = [len(r.prompt_ids) for r in group]
+        assert len(lengths) * max(lengths) <= PADDING_LIMIT * sum(lengths)
+    assert prefill_groups([]) == []
+
+
+def _row(length: int, params: SamplingParams) -> SequenceState:
+    return SequenceState(
+        index=0,
+        params=params,
+        prompt_ids=list(range(length)),
+        stop_ids=frozenset(),
+        budget=8,
+        generator=None,
+        text=None,
+    )
 
 
 async def test_a_stop_string_ends_its_request_while_others_go_on(backends) -> None:

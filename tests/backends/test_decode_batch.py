@@ -46,6 +46,35 @@ def test_absorbed_rows_step_as_they_would_alone(backends, name: str) -> None:
         torch.testing.assert_close(logits[1:], expected_short[step], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_prompts_prefilled_together_give_what_each_gives_alone(backends, name: str) -> None:
+    backend = backends(name)
+    prompts = [prompt(backend, text) for text in PROMPTS]
+    assert len({len(ids) for ids in prompts}) > 1  # left padding is exercised
+    rows = [1, 2, 1]
+    tokens = torch.randint(
+        0, backend.vocab_size, (sum(rows), STEPS), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    with torch.inference_mode():
+        expected_first, expected_steps = [], []
+        used = 0
+        for ids, count in zip(prompts, rows, strict=True):
+            alone = backend.new_batch()
+            expected_first.append(alone.prefill(ids, count)[0])
+            expected_steps.append(steps(alone, tokens[used : used + count]))
+            used += count
+        together = backend.new_batch()
+        assert together.prefills_together
+        first = together.prefill_together(prompts, rows)
+        got = steps(together, tokens)
+    # float32 sums over a padded batch in another order: 1e-4, the tolerance the decode loop's
+    # tests give logprobs
+    torch.testing.assert_close(first, torch.cat(expected_first), atol=1e-4, rtol=1e-4)
+    for step, logits in enumerate(got):
+        want = torch.cat([alone_steps[step] for alone_steps in expected_steps])
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
 def test_keep_drops_the_padding_no_row_needs(backends) -> None:
     backend = backends("llama")
     long_ids, short_ids = prompt(backend, PROMPTS[2]), prompt(backend, PROMPTS[0])
@@ -77,3 +106,4 @@ def test_sequence_to_sequence_batches_stay_apart(backends) -> None:
         batch.prefill(prompt(backend), 1)
         other.prefill(prompt(backend), 1)
         assert not batch.absorb(other)
+        assert not batch.prefills_together
