@@ -117,6 +117,16 @@ async def generate_all(
 ) -> AsyncIterator[tuple[int, ChoiceDelta]]:
     """Run every job concurrently; yield (choice index, delta) as they come. Leaving early (a
     client that went away) cancels every generation."""
+    if len(jobs) == 1:  # the usual request: its one stream, with no task and queue between
+        [job] = jobs
+        stream = backend.generate(job.prompt_ids, job.params, job.adapter)
+        try:
+            async for deltas in stream:
+                for delta in deltas:
+                    yield job.first_index + delta.index, delta
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        return
     queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
