@@ -19,7 +19,7 @@ from transformers import BatchEncoding
 from ..cli import ServerConfig
 from ..engine.client import EngineClient
 from ..errors import StartupError
-from ..generation.constraints import Grammars, LazyGrammars
+from ..generation.constraints import LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import ChoiceText
 from ..loading import ModelSource, load_tokenizer
@@ -86,8 +86,7 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.is_encoder_decoder = facts.is_encoder_decoder
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.grammars = LazyGrammars(lambda: Grammars(self.tokenizer, self.vocab_size, eos))
+        self.grammars = LazyGrammars.for_tokenizer(self.tokenizer, self.vocab_size)
 
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

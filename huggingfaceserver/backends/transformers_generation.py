@@ -24,7 +24,7 @@ from transformers import (
 
 from ..cli import ServerConfig
 from ..errors import BadRequest, StartupError
-from ..generation.constraints import Grammars, LazyGrammars
+from ..generation.constraints import LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import ChoiceText, SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
@@ -160,8 +160,8 @@ class TransformersGenerator(GenerationBackend):
         self.batcher = ContinuousBatcher(
             self.new_batch, self.config.max_batch_size, self.config.model_name
         )
-        self.grammars = LazyGrammars(
-            lambda: Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = LazyGrammars.for_tokenizer(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
         )
 
     def tune(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import llguidance
@@ -87,6 +87,17 @@ class LazyGrammars:
         self.make = make
         self.made: Grammars | None = None
         self.lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: Iterable[int] | None = None
+    ) -> LazyGrammars:
+        """The grammars of ``tokenizer``'s requests; ``eos``: the tokens that end a sequence
+        (by default the tokenizer's end-of-sequence token)."""
+        if eos is None:
+            eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        eos_ids = sorted(eos)
+        return cls(lambda: Grammars(tokenizer, vocab_size, eos_ids))
 
     def get(self) -> Grammars:
         with self.lock:

@@ -18,7 +18,7 @@ import vllm
 
 from ...cli import ServerConfig
 from ...errors import BadRequest
-from ...generation.constraints import Grammars, LazyGrammars
+from ...generation.constraints import LazyGrammars
 from ...generation.params import (
     ChoiceDelta,
     Constraint,
@@ -133,8 +133,7 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         self.max_model_len = compat.max_model_len(self.engine)
         self.is_encoder_decoder = bool(self.source.config.is_encoder_decoder)
         self.vocab_size = len(self.tokenizer)
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.grammars = LazyGrammars(lambda: Grammars(self.tokenizer, self.vocab_size, eos))
+        self.grammars = LazyGrammars.for_tokenizer(self.tokenizer, self.vocab_size)
         self.lora_ids = {name: i + 1 for i, name in enumerate(self.adapters)}
 
     def check_request(

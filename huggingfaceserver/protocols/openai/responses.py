@@ -161,12 +161,10 @@ def chat_choice(
 
     ``logprobs`` (from :func:`chat_logprobs`) is None when the client did not ask for them.
     """
-    message = ChatCompletionMessage(role="assistant", content=text)
-    if tool_calls:
-        message = ChatCompletionMessage(role="assistant", content=text, tool_calls=tool_calls)  # type: ignore[arg-type]
+    called: dict[str, Any] = {"tool_calls": tool_calls} if tool_calls else {}  # else unset
     return chat_completion.Choice(
         index=index,
-        message=message,
+        message=ChatCompletionMessage(role="assistant", content=text, **called),
         finish_reason=finish_reason,
         logprobs=None if logprobs is None else chat_completion.ChoiceLogprobs(content=logprobs),
     )

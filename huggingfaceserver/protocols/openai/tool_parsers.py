@@ -60,7 +60,7 @@ class ToolParser:
         return None
 
 
-def _call(item: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
+def call_from_object(item: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
     """A ``{"name": ..., <arguments key>: {...}}`` object as a call (None if it is not one)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
@@ -86,7 +86,7 @@ class HermesParser(ToolParser):
         calls = []
         for body in self.CALL.findall(text):
             try:
-                call = _call(json.loads(body), ("arguments", "parameters"))
+                call = call_from_object(json.loads(body), ("arguments", "parameters"))
             except ValueError:
                 call = None
             if call is None:
@@ -111,7 +111,7 @@ class Llama3JsonParser(ToolParser):
                 item, end = decoder.raw_decode(body, at)
             except ValueError:
                 return ParsedMessage(text)
-            call = _call(item, ("parameters", "arguments"))
+            call = call_from_object(item, ("parameters", "arguments"))
             if call is None:
                 return ParsedMessage(text)
             calls.append(call)
@@ -142,7 +142,7 @@ class MistralParser(ToolParser):
         except ValueError:
             return None
         items = items if isinstance(items, list) else [items]
-        calls = [_call(item, ("arguments", "parameters")) for item in items]
+        calls = [call_from_object(item, ("arguments", "parameters")) for item in items]
         return None if not calls or None in calls else calls  # type: ignore[return-value]
 
     def _named(self, rest: str) -> list[ParsedCall] | None:

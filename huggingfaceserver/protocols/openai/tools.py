@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...generation.params import Constraint
 from .errors import InvalidParameter
-from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedMessage, ToolParser
+from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedMessage, ToolParser, call_from_object
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -159,12 +159,9 @@ def _required_calls(text: str) -> ParsedMessage:
         items = json.loads(text)
     except ValueError:  # cut by max_tokens: what came is content
         return ParsedMessage(text)
-    calls = [
-        ParsedCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("name"), str)
-    ]
-    return ParsedMessage(None, tuple(calls)) if calls else ParsedMessage(text)
+    found = (call_from_object(item, ("parameters",)) for item in items)
+    calls = tuple(call for call in found if call is not None)
+    return ParsedMessage(None, calls) if calls else ParsedMessage(text)
 
 
 def tool_call_dicts(calls: tuple[ParsedCall, ...]) -> list[dict[str, Any]]:
@@ -189,7 +186,6 @@ class ToolStream:
     text: str = ""
     sent: int = 0
     """How much of ``text`` went out as content."""
-    calls: list[dict[str, Any]] = field(default_factory=list)
 
     def push(self, delta_text: str) -> str:
         """The content that can go out now."""
@@ -210,5 +206,4 @@ class ToolStream:
         message = self.plan.message(self.text)
         content = message.content or ""
         rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
-        self.calls = tool_call_dicts(message.calls)
-        return rest, self.calls
+        return rest, tool_call_dicts(message.calls)
