@@ -101,7 +101,11 @@ def importing(freeze: bool = False) -> Iterator[None]:
     import time, for nothing. ``freeze``: then move every object out of its way for good
     (``gc.freeze``; the little garbage that imports leave, under 1 MB, goes with them), so that
     the full collection after the model loads scans only what loading made (0.5 s less) - for
-    the server's process, not for a library import."""
+    the server's process, not for a library import. Libraries' import-time bugs are mended on
+    the way (:mod:`.import_fixes`)."""
+    from .import_fixes import install
+
+    install()
     enabled = gc.isenabled()
     gc.disable()
     try:

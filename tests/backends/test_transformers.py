@@ -1,4 +1,5 @@
-"""The transformers backend: --dtype and --trust_remote_code take effect."""
+"""The transformers backend: --dtype and --trust_remote_code take effect; the CPU thread
+calibration stops as soon as its decision is clear."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from huggingfaceserver.backends.transformers import (
+    CALIBRATION_ROUNDS,
+    MIN_THREAD_SPEEDUP,
+    time_thread_counts,
+)
 from huggingfaceserver.errors import StartupError
 from tests.harness import client_for, load_model
 
@@ -90,3 +96,56 @@ async def test_dtype_loads_the_weights_in_that_dtype(encoder, tiny_models, flag,
     assert next(model.backend.model.parameters()).dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     assert torch.allclose(await logits_served(model), reference_logits(path), atol=tolerance)
+
+
+class FakeForward:
+    """A forward pass whose duration depends on the thread count set, on a fake clock."""
+
+    def __init__(self, seconds_on: dict[int, list[float]]):
+        self.seconds_on = {threads: list(times) for threads, times in seconds_on.items()}
+        self.now = 0.0
+        self.threads = 0
+        self.ran_on: list[int] = []
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+
+    def __call__(self) -> None:
+        self.ran_on.append(self.threads)
+        self.now += self.seconds_on[self.threads].pop(0)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def calibrate(fake: FakeForward):
+    return time_thread_counts(fake, 2, set_threads=fake.set_threads, clock=fake.clock)
+
+
+@pytest.mark.parametrize("one_thread_s", [0.2, 0.1])  # 2x faster on 2 threads; no faster
+def test_calibration_stops_after_one_round_when_the_answer_is_clear(one_thread_s):
+    fake = FakeForward({2: [0.5, 0.1, 0.1, 0.1], 1: [one_thread_s] * 3})
+    timings = calibrate(fake)
+    assert fake.ran_on == [2, 2, 1]  # warm-up, then one round
+    assert timings.forwards == 3
+    assert (timings.many, timings.one) == pytest.approx((0.1, one_thread_s))
+
+
+def test_calibration_runs_every_round_near_the_threshold_and_keeps_the_fastest():
+    many = [0.5, 0.11, 0.1, 0.12]  # the warm-up's 0.5 s is not counted
+    one = [MIN_THREAD_SPEEDUP * 0.1 + 0.01, MIN_THREAD_SPEEDUP * 0.1, 0.2]
+    fake = FakeForward({2: many, 1: one})
+    timings = calibrate(fake)
+    assert fake.ran_on == [2] + [2, 1] * CALIBRATION_ROUNDS
+    assert timings.many == pytest.approx(0.1)
+    assert timings.one == pytest.approx(MIN_THREAD_SPEEDUP * 0.1)
+    assert timings.speedup == pytest.approx(MIN_THREAD_SPEEDUP)
+
+
+def test_calibration_goes_on_while_a_disturbed_round_leaves_it_unclear():
+    """A first round slowed on all threads looks like no speedup at the margin: the second,
+    undisturbed, settles it."""
+    fake = FakeForward({2: [0.5, 0.2, 0.1, 0.1], 1: [0.25, 0.2, 0.2]})
+    timings = calibrate(fake)
+    assert fake.ran_on == [2, 2, 1, 2, 1]
+    assert timings.speedup == pytest.approx(2.0)
