@@ -26,9 +26,12 @@ MIN_THREAD_SPEEDUP = 1.3
 """On CPU, torch's intra-op threads are kept only if they make that forward this much faster."""
 CALIBRATION_ROUNDS = 3
 """At most this many timings of the forward pass on each thread count (the fastest counts)."""
+MIN_CALIBRATION_ROUNDS = 2
+"""At least this many: one timing disturbed by other work on the machine (seen: 103 ms on 2
+threads for a forward that takes 50-65 ms) must not decide alone."""
 CLEAR_MARGIN = 1.15
-"""Calibration stops after a round once the speedup is this factor or more away from
-:data:`MIN_THREAD_SPEEDUP`, either way: more rounds would not change the decision."""
+"""Calibration stops after :data:`MIN_CALIBRATION_ROUNDS` once the speedup is this factor or
+more away from :data:`MIN_THREAD_SPEEDUP`, either way: more rounds would not change it."""
 
 
 @dataclass
@@ -57,8 +60,8 @@ def time_thread_counts(
 ) -> ThreadTimings:
     """Time ``forward`` on ``threads`` and on one, alternately (drift on a shared machine
     slows both alike), after one warm-up (first calls allocate and pick kernels). Stops once
-    the decision is clear (for a small model after one round: 3 forwards rather than 7 at
-    startup, about 0.35 s for MiniLM). Leaves one thread set."""
+    the decision is clear (for MiniLM after two rounds: 5 forwards rather than 7, about 0.15 s
+    less at startup). Leaves one thread set."""
     timings = ThreadTimings()
 
     def timed() -> float:
@@ -69,12 +72,12 @@ def time_thread_counts(
 
     set_threads(threads)
     timed()
-    for _ in range(CALIBRATION_ROUNDS):
+    for done in range(1, CALIBRATION_ROUNDS + 1):
         set_threads(threads)
         timings.many = min(timings.many, timed())
         set_threads(1)
         timings.one = min(timings.one, timed())
-        if timings.clear():
+        if done >= MIN_CALIBRATION_ROUNDS and timings.clear():
             break
     return timings
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from huggingfaceserver.backends.transformers import (
     CALIBRATION_ROUNDS,
+    MIN_CALIBRATION_ROUNDS,
     MIN_THREAD_SPEEDUP,
     time_thread_counts,
 )
@@ -123,11 +124,12 @@ def calibrate(fake: FakeForward):
 
 
 @pytest.mark.parametrize("one_thread_s", [0.2, 0.1])  # 2x faster on 2 threads; no faster
-def test_calibration_stops_after_one_round_when_the_answer_is_clear(one_thread_s):
+def test_calibration_stops_after_two_rounds_when_the_answer_is_clear(one_thread_s):
     fake = FakeForward({2: [0.5, 0.1, 0.1, 0.1], 1: [one_thread_s] * 3})
     timings = calibrate(fake)
-    assert fake.ran_on == [2, 2, 1]  # warm-up, then one round
-    assert timings.forwards == 3
+    assert MIN_CALIBRATION_ROUNDS == 2
+    assert fake.ran_on == [2, 2, 1, 2, 1]  # warm-up, then two rounds
+    assert timings.forwards == 5
     assert (timings.many, timings.one) == pytest.approx((0.1, one_thread_s))
 
 
@@ -142,10 +144,12 @@ def test_calibration_runs_every_round_near_the_threshold_and_keeps_the_fastest()
     assert timings.speedup == pytest.approx(MIN_THREAD_SPEEDUP)
 
 
-def test_calibration_goes_on_while_a_disturbed_round_leaves_it_unclear():
-    """A first round slowed on all threads looks like no speedup at the margin: the second,
-    undisturbed, settles it."""
-    fake = FakeForward({2: [0.5, 0.2, 0.1, 0.1], 1: [0.25, 0.2, 0.2]})
+def test_one_disturbed_timing_does_not_decide():
+    """Seen in a benchmark: a forward on 2 threads slowed by other work (103 ms for 50-65 ms)
+    made the first round say that threads do not pay; the second round, undisturbed, says
+    they do."""
+    fake = FakeForward({2: [0.5, 0.103, 0.055, 0.06], 1: [0.086, 0.09, 0.09]})
     timings = calibrate(fake)
     assert fake.ran_on == [2, 2, 1, 2, 1]
-    assert timings.speedup == pytest.approx(2.0)
+    assert timings.speedup == pytest.approx(0.086 / 0.055)
+    assert timings.speedup >= MIN_THREAD_SPEEDUP
