@@ -36,11 +36,10 @@ more away from :data:`MIN_THREAD_SPEEDUP`, either way: more rounds would not cha
 
 @dataclass
 class ThreadTimings:
-    """The fastest forward seen on all of torch's threads and on one, and how many ran."""
+    """The fastest forward seen on all of torch's threads and on one."""
 
     many: float = math.inf
     one: float = math.inf
-    forwards: int = 0
 
     @property
     def speedup(self) -> float:
@@ -60,14 +59,13 @@ def time_thread_counts(
 ) -> ThreadTimings:
     """Time ``forward`` on ``threads`` and on one, alternately (drift on a shared machine
     slows both alike), after one warm-up (first calls allocate and pick kernels). Stops once
-    the decision is clear (for MiniLM after two rounds: 5 forwards rather than 7, about 0.15 s
-    less at startup). Leaves one thread set."""
+    the decision is clear (for MiniLM after two rounds: 5 forwards, where timing each count
+    three times after its own warm-up took 8). Leaves one thread set."""
     timings = ThreadTimings()
 
     def timed() -> float:
         start = clock()
         forward()
-        timings.forwards += 1
         return clock() - start
 
     set_threads(threads)
