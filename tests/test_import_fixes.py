@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from huggingfaceserver import import_fixes
 from huggingfaceserver.import_fixes import FixAfterImport
 
 
@@ -87,9 +89,14 @@ PROBE = textwrap.dedent(
 )
 
 
-def probe(mode: str) -> dict:
+def probe(mode: str, script: str = PROBE) -> dict:
+    """What ``script`` prints last, as JSON, run in a fresh process (``fixed``: with the fixes)."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -105,3 +112,58 @@ def test_transformers_builds_its_import_table_once_and_the_same():
     assert fixed["top"] == plain["top"]
     assert fixed["models"] == plain["models"]
     assert fixed["bert"] == plain["bert"] == "transformers.models.bert.modeling_bert"
+
+
+def stock_get_source(stacklevel: int) -> str:
+    """torch 2.x's ``torch._library.utils.get_source``, as written there."""
+    frame = inspect.getframeinfo(sys._getframe(stacklevel))
+    source = f"{frame.filename}:{frame.lineno}"
+    return source
+
+
+def test_the_registration_position_is_the_callers_file_and_line_as_before():
+    def register():  # a caller one frame up, as torch.library calls it
+        return import_fixes.get_source(2), stock_get_source(2)
+
+    mended, stock = register()
+    called_on = inspect.currentframe().f_lineno - 1
+    assert mended == stock == f"{__file__}:{called_on}"
+
+
+def test_a_changed_get_source_is_left_alone():
+    module = type(sys)("changed")
+    module.get_source = lambda stacklevel: f"{inspect.stack()[stacklevel]}"
+    import_fixes.source_position_without_source_text(module)
+    assert module.get_source is not import_fixes.get_source
+    module.get_source = stock_get_source
+    import_fixes.source_position_without_source_text(module)
+    assert module.get_source is import_fixes.get_source
+
+
+FAKE_KERNELS = textwrap.dedent(
+    """
+    import json, sys
+    if sys.argv[1] == "fixed":
+        from huggingfaceserver.import_fixes import install
+        install()
+    import torch
+    import transformers.modeling_utils
+    from torch._library import utils
+    from torch._library.simple_registry import singleton
+    print(json.dumps({
+        "mended": utils.get_source.__module__ == "huggingfaceserver.import_fixes",
+        "sources": {
+            name: entry.fake_impl.kernel.source
+            for name, entry in singleton._data.items()
+            if entry.fake_impl.kernel is not None
+        },
+    }))
+    """
+)
+
+
+def test_torch_records_the_same_positions_for_its_fake_kernels():
+    plain, fixed = probe("plain", FAKE_KERNELS), probe("fixed", FAKE_KERNELS)
+    assert fixed["mended"] and not plain["mended"]
+    assert len(fixed["sources"]) >= 100  # torch registers ~135 while it and transformers import
+    assert fixed["sources"] == plain["sources"]
