@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 
 from huggingfaceserver import import_fixes
 from huggingfaceserver.import_fixes import FixAfterImport
+from huggingfaceserver.import_table import CACHE_ENV
 
 
 @pytest.fixture
@@ -70,48 +72,68 @@ def test_a_failing_fix_leaves_the_module_imported_as_it_is(package):
 
 PROBE = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     if sys.argv[1] == "fixed":
         from huggingfaceserver.import_fixes import install
         install()
     import transformers
     import transformers.models
     from transformers.utils import import_utils
-    info = import_utils.create_import_structure_from_path.cache_info()
+    build = import_utils.create_import_structure_from_path
+    memo = getattr(build, "build", build)
+    info = memo.cache_info()
     print(json.dumps({
         "top": sorted(dir(transformers)),
         "models": sorted(dir(transformers.models)),
         "hits": info.hits,
+        "misses": info.misses,
         "maxsize": info.maxsize,
+        "folders": sum(
+            entry.is_dir() and entry.name != "__pycache__"
+            for entry in os.scandir(os.path.dirname(transformers.models.__file__))
+        ),
+        "origin": getattr(build, "origin", None),
         "bert": transformers.BertModel.__module__,
     }))
     """
 )
 
 
-def probe(mode: str, script: str = PROBE) -> dict:
-    """What ``script`` prints last, as JSON, run in a fresh process (``fixed``: with the fixes)."""
+def probe(mode: str, script: str = PROBE, store: Path | None = None) -> dict:
+    """What ``script`` prints last, as JSON, run in a fresh process (``fixed``: with the fixes,
+    the import table stored in ``store``)."""
+    env = dict(os.environ)
+    if store is not None:
+        env[CACHE_ENV] = str(store)
     done = subprocess.run(
         [sys.executable, "-c", script, mode],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
+        env=env,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_transformers_builds_its_import_table_once_and_the_same():
-    """Unmended, the second build finds nothing in the too-small cache (transformers 5.x);
-    mended, it finds every model folder, and the lazy modules list the same names."""
-    plain, fixed = probe("plain"), probe("fixed")
-    assert fixed["maxsize"] is None
-    assert fixed["hits"] >= 500  # the ~550 model folders, read once
+def test_transformers_builds_its_import_table_once_and_the_same(tmp_path):
+    """Unmended, transformers 5.x builds the table twice, reading every model folder twice (the
+    second build finds nothing in its too-small cache); mended, each folder is read once, and
+    the lazy modules list the same names. The next start reads the table from the store, and
+    they list the same names again."""
+    plain = probe("plain")
+    built = probe("fixed", store=tmp_path)
+    assert built["origin"] == "built"
+    assert built["folders"] > 500
+    assert built["folders"] <= built["misses"] + built["hits"] <= built["folders"] * 1.1
     if plain["maxsize"] is not None:
-        assert plain["hits"] < fixed["hits"]
-    assert fixed["top"] == plain["top"]
-    assert fixed["models"] == plain["models"]
-    assert fixed["bert"] == plain["bert"] == "transformers.models.bert.modeling_bert"
+        assert plain["misses"] >= 2 * built["folders"]
+    stored = probe("fixed", store=tmp_path)
+    assert stored["origin"] == "store"
+    for fixed in (built, stored):
+        assert fixed["top"] == plain["top"]
+        assert fixed["models"] == plain["models"]
+        assert fixed["bert"] == plain["bert"] == "transformers.models.bert.modeling_bert"
 
 
 def stock_get_source(stacklevel: int) -> str:

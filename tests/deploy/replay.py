@@ -20,7 +20,7 @@ CONTAINER_ONLY = {
     "apt-get": "system packages: the host has its own",
     "useradd": "the image's user",
     "chown": "the image's user",
-    "mkdir": "the image's directories (HF_HOME is the test's own)",
+    "mkdir": "the image's directories (HF_HOME and HUGGINGFACESERVER_CACHE are the test's own)",
     "rm": "clean-up of apt's lists and the copied wheel",
 }
 """The commands a replay skips, and why: what they do only matters inside a container."""
@@ -101,7 +101,7 @@ class StageReplay:
         for name, value in self.env.items():
             if name == "PATH":
                 env[name] = os.pathsep.join(self.path_dirs())
-            elif name == "HF_HOME":
+            elif name in ("HF_HOME", "HUGGINGFACESERVER_CACHE"):
                 env[name] = str(self.host(value))
                 self.host(value).mkdir(parents=True, exist_ok=True)
             elif name != "LD_PRELOAD" or Path(value).exists():

@@ -122,6 +122,16 @@ def test_the_server_runs_as_user_1000_with_a_writable_hf_home(kind):
     assert Path(env["HF_HOME"]).is_relative_to(home)
 
 
+@pytest.mark.parametrize("kind", DOCKERFILES)
+def test_the_image_stores_transformers_import_table_as_the_servers_user(kind):
+    final = image(kind)
+    home = Path(final.env["HF_HOME"]).parent.parent
+    assert Path(final.env["HUGGINGFACESERVER_CACHE"]).is_relative_to(home)
+    user = final.instructions.index(("USER", "1000"))
+    runs = [value for kind, value in final.instructions[user:] if kind == "RUN"]
+    assert runs == ['python -c "import huggingfaceserver.server"']
+
+
 def test_the_cpu_image_preloads_tcmalloc():
     final = image("cpu")
     (install,) = [c for c in final.commands() if c[:2] == ["apt-get", "install"]]
