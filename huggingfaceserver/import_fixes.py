@@ -50,7 +50,10 @@ def stored_import_table(module: ModuleType) -> None:
         return
     from .import_table import StoredImportTable, cache_dir
 
-    stored = StoredImportTable(build, folder, parser, cache_dir())
+    store_in = cache_dir()
+    if store_in is None:
+        return
+    stored = StoredImportTable(build, folder, parser, store_in)
     module.create_import_structure_from_path = stored  # type: ignore[attr-defined]
 
 

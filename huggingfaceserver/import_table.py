@@ -35,11 +35,17 @@ Table = dict[Any, Any]
 table, a frozenset of backends to ``{module: {exported names}}``."""
 
 
-def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Where the table is stored; None where there is nowhere to (no home directory, as for a
+    container user without one and without ``HOME``)."""
     if environ.get(CACHE_ENV):
         return Path(environ[CACHE_ENV])
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "huggingfaceserver"
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "huggingfaceserver"
+    home = os.path.expanduser("~")
+    if home.startswith("~"):
+        return None
+    return Path(home) / ".cache" / "huggingfaceserver"
 
 
 def fingerprint(folder: str, parser: str) -> str:

@@ -151,7 +151,9 @@ def test_the_fingerprint_is_the_same_for_the_same_files(models):
     assert fingerprint(str(models), parser) == before
 
 
-def test_where_the_store_is():
+def test_where_the_store_is(monkeypatch):
     assert cache_dir({CACHE_ENV: "/volume/cache"}) == Path("/volume/cache")
     assert cache_dir({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/huggingfaceserver")
     assert cache_dir({}) == Path.home() / ".cache" / "huggingfaceserver"
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # no HOME, no passwd entry
+    assert cache_dir({}) is None
