@@ -17,7 +17,8 @@ from .protocols.openai.tool_parsers import TOOL_PARSERS
 from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
-BACKENDS = ("auto", "huggingface", "vllm")
+BACKENDS = ("auto", "huggingface", "onnx", "vllm")
+QUANTIZATIONS = ("int8",)
 LOG_FORMATS = ("text", "json")
 MiB = 1024 * 1024
 
@@ -66,7 +67,10 @@ class ServerConfig:
     task: Task | None = None
     """The task; inferred from the model's config when not given."""
     backend: str = "auto"
-    """auto | huggingface | vllm."""
+    """auto | huggingface | onnx | vllm: ``huggingface`` is transformers on torch, ``onnx`` the
+    model's ONNX export on ONNX Runtime (encoder tasks)."""
+    quantize: str | None = None
+    """``int8``: the ONNX backend runs a dynamically quantised export (faster, less exact)."""
     max_length: int | None = None
     """Maximum sequence length: tokenizer truncation for encoders, context for generation."""
     disable_lower_case: bool = False
@@ -225,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("dtype", default="auto", choices=DTYPES, help="weights dtype (auto: fp16 GPU, fp32 CPU)")
     add("task", default=None, type=_task, help=f"one of {', '.join(t.value for t in Task)}")
     add("backend", default="auto", choices=BACKENDS, help="inference backend")
+    add(
+        "quantize",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="onnx backend: dynamic int8 quantisation of the export",
+    )
     parser.add_argument(
         *_spellings("max_length"),
         *_spellings("max_model_len"),

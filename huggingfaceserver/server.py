@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ from pydantic import ValidationError
 from . import metrics
 from ._kserve import model_server, sync_kserve_args
 from .admission import Admission, SharedSlots
-from .backends import BackendChoice, choose_backend
+from .backends import BackendChoice, choose_backend, vllm_installed
 from .backends.base import EncoderBackend, GenerationBackend
 from .cli import ServerConfig
 from .errors import (
@@ -101,17 +100,20 @@ def local_backend(
         from .backends.remote import RemoteEncoder
 
         return RemoteEncoder(source, config)
+    if choice.name == "onnx":
+        from .backends.onnx.encoder import OnnxEncoder
+
+        return OnnxEncoder(source, config, fallback=choice.fallback)
     from .backends.transformers import TransformersEncoder  # each backend only when it serves
 
     return TransformersEncoder(source, config)
 
 
 def engine_local_backend(config: ServerConfig) -> EncoderBackend | GenerationBackend:
-    """The engine process's backend: the model on transformers, in this process (the layout
-    splits only transformers-served models, see :func:`~.layout.choose_layout`): pinned, so
-    that a backend choice that depends on the memory free now cannot differ from the
-    supervisor's."""
-    source, choice = locate(dataclasses.replace(config, backend="huggingface"))
+    """The engine process's backend: the model in this process (the layout splits only models
+    that run in-process, see :func:`~.layout.choose_layout`): never vLLM, so that a backend
+    choice that depends on the memory free now cannot differ from the supervisor's."""
+    source, choice = locate(config, vllm=False)
     return local_backend(source, config, choice)
 
 
@@ -126,9 +128,10 @@ def engine_backend(
     return EngineEncoder(source, config, client)
 
 
-def locate(config: ServerConfig) -> tuple[ModelSource, BackendChoice]:
+def locate(config: ServerConfig, vllm: bool = True) -> tuple[ModelSource, BackendChoice]:
     """Locate the model, read its config, pick a backend (:class:`StartupError` for anything
-    the user must fix, before serving starts)."""
+    the user must fix, before serving starts); ``vllm=False``: as if vLLM were not
+    installed."""
     if config.server.get("workers", 1) > 1:
         raise StartupError(
             "--workers > 1 is not supported: one process holds the model; use --api_workers N "
@@ -141,6 +144,7 @@ def locate(config: ServerConfig) -> tuple[ModelSource, BackendChoice]:
         config.backend,
         source.task,
         source.config.architectures or [],
+        installed=vllm_installed if vllm else lambda: False,
         kv_cache=lambda: plan_kv_cache(source, config),
     )
     logger.info("backend %s: %s", choice.name, choice.reason)
@@ -159,6 +163,11 @@ def build_model(
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in config.engine_flags),
+        )
+    if config.quantize and choice.name != "onnx":
+        raise StartupError(
+            f"--quantize {config.quantize} quantises the ONNX Runtime backend's export; the "
+            f"model runs on {choice.name} ({choice.reason}): use --backend onnx or auto"
         )
     if client is None:
         backend = local_backend(source, config, choice)

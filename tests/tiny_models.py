@@ -410,6 +410,98 @@ def build_t5(out_dir: str | Path) -> Path:
     return _save_model(T5ForConditionalGeneration, config, out_dir)
 
 
+ENCODER_TASK_HEADS = {
+    "fill_mask": "AutoModelForMaskedLM",
+    "token_classification": "AutoModelForTokenClassification",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "text_embedding": "AutoModel",
+}
+"""The auto class of each encoder task's model."""
+
+TOKEN_TYPES = frozenset({"bert", "electra", "albert", "deberta-v2"})
+"""Architectures whose tokenizers give ``token_type_ids`` (the others' tokenizers do not)."""
+
+
+def _architecture_config(architecture: str, vocab_size: int, pad_token_id: int):
+    """A tiny config of ``architecture`` (2 layers, 2 heads, hidden size 32)."""
+    import transformers
+
+    sizes = {
+        "vocab_size": vocab_size,
+        "pad_token_id": pad_token_id,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 37,
+        "max_position_embeddings": MAX_LENGTH,
+    }
+    offset_positions = {"max_position_embeddings": MAX_LENGTH + 2}  # positions from pad + 1
+    configs = {
+        "bert": ("BertConfig", {}),
+        "roberta": ("RobertaConfig", {**offset_positions, "type_vocab_size": 1}),
+        "xlm-roberta": ("XLMRobertaConfig", {**offset_positions, "type_vocab_size": 1}),
+        "electra": ("ElectraConfig", {"embedding_size": 16}),
+        "albert": ("AlbertConfig", {"embedding_size": 16}),
+        "mpnet": ("MPNetConfig", offset_positions),
+        # DeBERTa-v3's attention: relative positions in buckets, no absolute positions
+        "deberta-v2": (
+            "DebertaV2Config",
+            {
+                "relative_attention": True,
+                "position_buckets": 32,
+                "max_relative_positions": -1,
+                "pos_att_type": ["p2c", "c2p"],
+                "position_biased_input": False,
+                "norm_rel_ebd": "layer_norm",
+                "share_att_key": True,
+                "type_vocab_size": 2,
+            },
+        ),
+        "modernbert": (
+            "ModernBertConfig",
+            {"global_attn_every_n_layers": 2, "local_attention": 8},
+        ),
+    }
+    if architecture == "distilbert":
+        return DistilBertConfig(
+            vocab_size=vocab_size,
+            dim=32,
+            n_layers=2,
+            n_heads=2,
+            hidden_dim=37,
+            max_position_embeddings=MAX_LENGTH,
+            pad_token_id=pad_token_id,
+        )
+    name, extra = configs[architecture]
+    return getattr(transformers, name)(**{**sizes, **extra})
+
+
+def build_encoder_architecture(
+    out_dir: str | Path, architecture: str, task: str, cross_encoder: bool = False
+) -> Path:
+    """A tiny random model of ``architecture`` (a ``model_type``: bert, roberta, distilbert,
+    deberta-v2, electra, albert, xlm-roberta, mpnet, modernbert) for an encoder ``task``, with
+    the WordPiece tokenizer (giving ``token_type_ids`` only where the architecture's own
+    tokenizers do). ``cross_encoder``: a sequence classifier with one label (a reranker)."""
+    import transformers
+
+    names = ["input_ids", "attention_mask"]
+    if architecture in TOKEN_TYPES:
+        names.insert(1, "token_type_ids")
+    tokenizer = train_wordpiece_tokenizer(out_dir, model_input_names=names)
+    config = _architecture_config(architecture, len(tokenizer), tokenizer.pad_token_id)
+    if architecture == "modernbert":
+        config.cls_token_id, config.sep_token_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    if task == "sequence_classification":
+        config.update(_labels(["score"] if cross_encoder else ["negative", "neutral", "positive"]))
+    elif task == "token_classification":
+        config.update(_labels(["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]))
+    auto_class = getattr(transformers, ENCODER_TASK_HEADS[task])
+    torch.manual_seed(SEED)
+    auto_class.from_config(config).eval().save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 BUILDERS = {
     "bert_fill_mask": build_bert_fill_mask,
     "bert_token_classification": build_bert_token_classification,

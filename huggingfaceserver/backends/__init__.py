@@ -20,9 +20,12 @@ VLLM_INSTALL_HINT = (
 
 @dataclass(frozen=True)
 class BackendChoice:
-    name: str  # "huggingface" or "vllm"
+    name: str  # "huggingface", "onnx" or "vllm"
     reason: str
     kv_cache_bytes: int | None = None  # vLLM's KV cache as we sized it (None: vLLM sizes it)
+    fallback: bool = False
+    """``onnx`` chosen by ``auto``: torch serves the model where ONNX Runtime cannot (decided
+    at load, when the export is tried, and logged with the reason)."""
 
 
 def vllm_installed() -> bool:
@@ -36,6 +39,12 @@ def installed_engine_flag_names() -> frozenset[str]:
     from .vllm.compat import engine_flag_names
 
     return engine_flag_names()
+
+
+def onnx_installed() -> bool:
+    from .onnx import onnxruntime_installed
+
+    return onnxruntime_installed()
 
 
 def vllm_supports(architectures: Sequence[str]) -> bool:
@@ -56,16 +65,32 @@ def choose_backend(
     installed: Callable[[], bool] = vllm_installed,
     supports: Callable[[Sequence[str]], bool] = vllm_supports,
     kv_cache: Callable[[], KvCachePlan | None] = no_kv_cache_plan,
+    onnx: Callable[[], bool] = onnx_installed,
 ) -> BackendChoice:
     """The backend for a model (CONTRACT.md section 1).
 
-    ``auto``: vLLM for generative tasks when it is installed, supports the architecture and its
-    KV cache fits in memory (``kv_cache``: see :mod:`.vllm.kv_cache`), else transformers.
-    ``vllm``: a startup error when vLLM cannot serve the model.
+    ``auto``: for encoder tasks ONNX Runtime when it is installed (torch where the export does
+    not serve the model, decided at load); for generative tasks vLLM when it is installed,
+    supports the architecture and its KV cache fits in memory (``kv_cache``: see
+    :mod:`.vllm.kv_cache`), else transformers.
+    ``vllm`` and ``onnx``: a startup error when that runtime cannot serve the model.
     """
     arch = ", ".join(architectures) or "unknown architecture"
     if requested == "huggingface":
         return BackendChoice("huggingface", "--backend huggingface")
+    if requested == "onnx":
+        if task.is_generative:
+            raise StartupError(
+                f"--backend onnx serves encoder tasks; {task.value} is generative: use "
+                "--backend auto, huggingface or vllm"
+            )
+        if not onnx():
+            from .onnx import ONNX_INSTALL_HINT
+
+            raise StartupError(
+                f"--backend onnx: ONNX Runtime is not installed; {ONNX_INSTALL_HINT}"
+            )
+        return BackendChoice("onnx", "--backend onnx")
     if requested == "vllm":
         if not installed():
             raise StartupError(f"--backend vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
@@ -73,7 +98,13 @@ def choose_backend(
             raise StartupError(f"--backend vllm: vLLM does not support {arch}")
         return with_kv_cache(requested, "--backend vllm", kv_cache())
     if not task.is_generative:
-        return BackendChoice("huggingface", f"{task.value} is an encoder task")
+        if not onnx():
+            return BackendChoice("huggingface", f"{task.value} is an encoder task")
+        return BackendChoice(
+            "onnx",
+            f"{task.value} is an encoder task: ONNX Runtime, torch where it cannot serve it",
+            fallback=True,
+        )
     if not installed():
         return BackendChoice("huggingface", "vLLM is not installed")
     if not supports(architectures):

@@ -62,11 +62,15 @@ def test_rows_collated_are_the_tokenizers_padded_batch(tiny_models):
 
 
 def forward_shapes(model) -> list[tuple[int, ...]]:
+    """The shape of every batch the backend's runtime (torch or ONNX Runtime) runs, from now."""
     shapes: list[tuple[int, ...]] = []
-    model.backend.model.register_forward_hook(
-        lambda module, args, kwargs, output: shapes.append(tuple(kwargs["input_ids"].shape)),
-        with_kwargs=True,
-    )
+    forward_batch = model.backend.forward_batch
+
+    def recording(batch):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return forward_batch(batch)
+
+    model.backend.forward_batch = recording
     return shapes
 
 
@@ -133,7 +137,7 @@ async def test_a_bad_request_fails_alone(tiny_models):
 async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_models):
     model = load_model(["--model_dir", str(tiny_models["st_cls"])])
     backend = model.backend
-    real_forward = backend.forward
+    real_forward = backend.forward_batch
     calls = 0
 
     def flaky_forward(batch):
@@ -143,7 +147,7 @@ async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_mo
             raise RuntimeError("boom")
         return real_forward(batch)
 
-    backend.forward = flaky_forward
+    backend.forward_batch = flaky_forward
     # the server answers 500 and re-raises for its log: keep the raise out of the test client
     transport = httpx.ASGITransport(app=build_app(model), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -26,10 +26,38 @@ def supports(*known: str) -> Callable[[Sequence[str]], bool]:
 
 
 @pytest.mark.parametrize("task", ENCODER_TASKS)
-def test_auto_serves_encoder_tasks_with_transformers(task):
-    choice = choose_backend("auto", task, ["BertModel"], installed(True), supports("BertModel"))
+def test_auto_serves_encoder_tasks_on_onnx_runtime_with_torch_behind(task):
+    choice = choose_backend(
+        "auto", task, ["BertModel"], installed(True), supports("BertModel"), onnx=installed(True)
+    )
+    assert (choice.name, choice.fallback) == ("onnx", True)
+    assert task.value in choice.reason
+
+
+@pytest.mark.parametrize("task", ENCODER_TASKS)
+def test_auto_serves_encoder_tasks_with_transformers_without_onnx_runtime(task):
+    choice = choose_backend(
+        "auto", task, ["BertModel"], installed(True), supports("BertModel"), onnx=installed(False)
+    )
     assert choice.name == "huggingface"
     assert task.value in choice.reason
+
+
+@pytest.mark.parametrize("task", ENCODER_TASKS)
+def test_onnx_requested_is_onnx_without_a_fall_back(task):
+    choice = choose_backend("onnx", task, ["BertModel"], onnx=installed(True))
+    assert (choice.name, choice.fallback) == ("onnx", False)
+
+
+@pytest.mark.parametrize("task", GENERATIVE_TASKS)
+def test_onnx_requested_for_generation_is_an_error(task):
+    with pytest.raises(StartupError, match="--backend onnx serves encoder tasks"):
+        choose_backend("onnx", task, LLAMA, onnx=installed(True))
+
+
+def test_onnx_requested_but_not_installed_says_what_to_install():
+    with pytest.raises(StartupError, match="pip install onnxruntime"):
+        choose_backend("onnx", Task.text_embedding, ["BertModel"], onnx=installed(False))
 
 
 @pytest.mark.parametrize("task", GENERATIVE_TASKS)
@@ -145,5 +173,7 @@ def test_vllm_requested_without_room_for_its_kv_cache_says_what_to_set():
     ],
 )
 def test_the_kv_cache_is_not_sized_where_vllm_does_not_serve(requested, task, known):
-    choice = choose_backend(requested, task, LLAMA, installed(True), supports(*known), never_asked)
+    choice = choose_backend(
+        requested, task, LLAMA, installed(True), supports(*known), never_asked, installed(False)
+    )
     assert choice.name == "huggingface"

@@ -93,7 +93,7 @@ async def test_trust_remote_code_runs_the_models_own_classes(custom_code_model, 
 )
 async def test_dtype_loads_the_weights_in_that_dtype(encoder, tiny_models, flag, dtype):
     path = tiny_models["bert_sequence_classification"]
-    model = encoder(path, "--dtype", flag, "--return_raw_logits")
+    model = encoder(path, "--dtype", flag, "--return_raw_logits", "--backend", "huggingface")
     assert next(model.backend.model.parameters()).dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     assert torch.allclose(await logits_served(model), reference_logits(path), atol=tolerance)

@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.server import build_model
@@ -98,44 +97,38 @@ async def test_inference_runs_off_the_event_loop(encoder, minilm_path, monkeypat
     """Probes are answered while a large predict is in its forward pass."""
     model = encoder(minilm_path, name="minilm")
     backend = model.backend
-    assert isinstance(backend.model, torch.nn.Module)
     tokenizer = ThreadRecordingInputs(backend.inputs)
     monkeypatch.setattr(backend, "inputs", tokenizer)
     forward_threads: set[int] = set()
     forward_started, forward_finished = threading.Event(), threading.Event()
+    forward_batch = backend.forward_batch
 
-    def before_forward(module, args):
+    def recording_forward(batch):  # whichever runtime runs the model (torch, ONNX Runtime)
         forward_threads.add(threading.get_ident())
         forward_started.set()
+        try:
+            return forward_batch(batch)
+        finally:
+            forward_finished.set()
 
-    def after_forward(module, args, output):
-        forward_finished.set()
-
-    hooks = [
-        backend.model.register_forward_pre_hook(before_forward),
-        backend.model.register_forward_hook(after_forward),
-    ]
+    monkeypatch.setattr(backend, "forward_batch", recording_forward)
     loop_thread = threading.get_ident()
     texts = long_texts(32)
-    try:
-        async with client_for(model) as client:
-            predict = asyncio.create_task(
-                client.post("/v1/models/minilm:predict", json={"instances": texts})
-            )
-            await wait_until(
-                lambda: forward_started.is_set() or predict.done(), "the forward pass to start"
-            )
-            answered_during_forward = 0
-            while not forward_finished.is_set():
-                live = await client.get("/v2/health/live")
-                assert (live.status_code, live.json()) == (200, {"live": True})
-                if not forward_finished.is_set():
-                    assert not predict.done()
-                    answered_during_forward += 1
-            response = await predict
-    finally:
-        for hook in hooks:
-            hook.remove()
+    async with client_for(model) as client:
+        predict = asyncio.create_task(
+            client.post("/v1/models/minilm:predict", json={"instances": texts})
+        )
+        await wait_until(
+            lambda: forward_started.is_set() or predict.done(), "the forward pass to start"
+        )
+        answered_during_forward = 0
+        while not forward_finished.is_set():
+            live = await client.get("/v2/health/live")
+            assert (live.status_code, live.json()) == (200, {"live": True})
+            if not forward_finished.is_set():
+                assert not predict.done()
+                answered_during_forward += 1
+        response = await predict
 
     assert response.status_code == 200, response.text
     assert len(response.json()["predictions"]) == len(texts)
