@@ -1,4 +1,4 @@
-"""Throughput benchmark: the server against plain transformers on the same models.
+"""Throughput benchmark: the server against plain runtimes (and peer servers) on the same models.
 
 ``python -m bench`` (or ``make bench``) builds the models offline, measures the raw
 transformers ceiling, starts the server as a user does, loads it with closed-loop clients and

@@ -1,9 +1,10 @@
-"""The ceiling: plain transformers and torch on the same models, in this process, no server.
+"""The ceiling: plain runtimes on the same models, in this process, no server.
 
-Encoders: tokenize + forward (+ pooling or argmax) under ``torch.inference_mode`` in batches of
-several sizes, padded per batch; the best rate is the ceiling, and the batch-1 latencies are what
-one request costs without a server. Generation: ``model.generate`` on a left-padded batch,
-greedy, exactly ``new_tokens`` new tokens per row (checked).
+Encoders: tokenize + forward (+ pooling or argmax) on torch (under ``torch.inference_mode``) or
+on ONNX Runtime with the server's own export, in batches of several sizes, padded per batch; the
+best rate is the ceiling, and the batch-1 latencies are what one request costs without a server.
+Generation: ``model.generate`` on a left-padded batch, greedy, exactly ``new_tokens`` new tokens
+per row (checked).
 """
 
 from __future__ import annotations
@@ -57,12 +58,19 @@ class GenerationCeiling:
 
 
 def encoder(
-    path: Path, task: str, device: str = "cpu", dtype: torch.dtype = torch.float32
+    path: Path,
+    task: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    runtime: str = "torch",
 ) -> Encode:
     """What the server computes for ``task`` (``sequence_classification`` or ``text_embedding``),
     as one function of a batch of texts, with the results on the CPU (as a server needs
-    them; on a GPU that also waits for the computation)."""
+    them; on a GPU that also waits for the computation). ``runtime``: ``torch``, or ``onnx``
+    (the server's own ONNX export, in an ONNX Runtime session with the server's options)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if runtime == "onnx":
+        return onnx_encoder(path, task, tokenizer)
 
     def tokenize(texts: Sequence[str]) -> Any:
         batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
@@ -86,6 +94,43 @@ def encoder(
         return F.normalize(mean, p=2, dim=1).cpu()
 
     return embed
+
+
+def onnx_encoder(path: Path, task: str, tokenizer: PreTrainedTokenizerBase) -> Encode:
+    """:func:`encoder` on ONNX Runtime: the export the server makes (from the server's cache,
+    made there if it is not yet), run as the server runs it."""
+    from huggingfaceserver.backends.onnx.export import GraphSpec
+    from huggingfaceserver.backends.onnx.session import OnnxSession
+    from huggingfaceserver.backends.onnx.store import ExportStore
+    from huggingfaceserver.cli import parse_args
+    from huggingfaceserver.loading import load_source
+
+    embedding = task == "text_embedding"
+    inputs = tuple(name for name in ONNX_INPUTS if name in tokenizer.model_input_names)
+    head = "AutoModel" if embedding else "AutoModelForSequenceClassification"
+    output = "last_hidden_state" if embedding else "logits"
+    source = load_source(parse_args(["--model_dir", str(path), "--task", task]))
+    session = ExportStore.default().open(
+        source,
+        GraphSpec(head, inputs, output),
+        False,
+        lambda graph: OnnxSession.load(str(graph.path), output),
+    )
+
+    def run(texts: Sequence[str]) -> torch.Tensor:
+        batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+        raw = session.run(batch)
+        if not embedding:
+            return raw.argmax(dim=-1)
+        mask = batch["attention_mask"].unsqueeze(-1).to(raw.dtype)
+        mean = (raw * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(mean, p=2, dim=1)
+
+    return run
+
+
+ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+"""The inputs the server's rows carry, in the order its export spec lists them."""
 
 
 def _batches(texts: Sequence[str], size: int) -> list[Sequence[str]]:
@@ -114,10 +159,11 @@ def encoder_ceiling(
     repeats: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    runtime: str = "torch",
 ) -> EncoderCeiling:
     """Requests/s for every batch size, ``repeats`` times (interleaved), and batch-1 latencies.
     ``texts``: the texts for every batch size, or a function of the batch size giving them."""
-    encode = encoder(path, task, device, dtype)
+    encode = encoder(path, task, device, dtype, runtime)
     rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
     single_ms: list[float] = []
     if device != "cpu":  # every padded shape once: a GPU picks kernels per shape on first use

@@ -78,9 +78,11 @@ def _machine(env: Environment, settings: Settings) -> str:
 
 
 CLASSIC_METHOD = (
-    "Method (the classic workloads). The raw rows are plain transformers in the benchmark process "
-    "with no server running: tokenizer + forward (+ pooling or argmax) under "
-    "`torch.inference_mode`, padded per batch, or `model.generate` (greedy, left-padded). The "
+    "Method (the classic workloads). The raw rows are plain runtimes in the benchmark process "
+    "with no server running: for encoders, tokenizer + forward (+ pooling or argmax) on ONNX "
+    "Runtime, with the export and session options the server uses (the runtime it serves them "
+    "on by default; plain torch's figures are in the Runtimes section), padded per batch; for "
+    "generation, transformers' `model.generate` (greedy, left-padded). The "
     "server is started as a user starts it (`python -m huggingfaceserver --model_dir DIR "
     "--model_name NAME ...`, default flags, request logging on) and loaded in a closed loop: C "
     "workers, each sending its next request when the last one answered (aiohttp, in the "

@@ -39,11 +39,17 @@ class WorkloadResult:
 def measure_raw(
     workload: Workload, model_dir: Path, settings: Settings
 ) -> raw.EncoderCeiling | raw.GenerationCeiling:
-    """The plain transformers ceiling for ``workload``'s model."""
+    """The plain ceiling for ``workload``'s model: encoders on the runtime the server runs
+    them on with default flags (ONNX Runtime, the server's export), generation on transformers."""
     if workload.kind is Kind.ENCODER:
         sentences = texts.cycle(texts.SENTENCES, settings.raw_texts)
         return raw.encoder_ceiling(
-            model_dir, workload.task, sentences, settings.raw_batch_sizes, settings.repeats
+            model_dir,
+            workload.task,
+            sentences,
+            settings.raw_batch_sizes,
+            settings.repeats,
+            runtime="onnx",
         )
     return raw.generation_ceiling(
         model_dir,
@@ -145,7 +151,7 @@ def measure_workload(
 ) -> WorkloadResult:
     """Raw ceiling, then the server in each of the workload's modes."""
     model_dir = workload.model_dir(models)
-    logger.info("%s: raw transformers", workload.key)
+    logger.info("%s: raw ceiling", workload.key)
     ceiling = measure_raw(workload, model_dir, settings)
     modes = [
         measure_mode(workload, mode, model_dir, settings, prober, log_dir)

@@ -144,6 +144,25 @@ def _vllm_unavailable() -> str | None:
     return unavailable()
 
 
+def _peers(context: Context) -> Outcome:
+    from . import peers
+
+    model_dir = context.models.minilm
+    return peers.measure(model_dir, context.settings, context.cache, context.log_dir)
+
+
+def _peers_unavailable() -> str | None:
+    from .peers import unavailable
+
+    return unavailable()
+
+
+def _runtimes(context: Context) -> Outcome:
+    from . import runtimes
+
+    return runtimes.measure(context.models, context.settings, context.cache)
+
+
 def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
 
@@ -168,6 +187,8 @@ SUITES = (
     Suite("coldstart", "cpu", _cold_start),
     Suite("vllm", "cpu", _vllm, _vllm_unavailable),
     Suite("structured", "cpu", _structured),
+    Suite("peers", "cpu", _peers, _peers_unavailable),
+    Suite("runtimes", "cpu", _runtimes),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
 )
