@@ -126,11 +126,23 @@ def drain_on_exit_signal(rest: RESTServer, state: ServerState) -> None:
 
     def draining_exit(sig: int, frame: FrameType | None) -> None:
         if not state.draining:
-            logger.info("draining: readiness false, requests in flight finish")
+            announce_draining()
         state.draining = True
         handle_exit(sig, frame)
 
     uvicorn_server.handle_exit = draining_exit  # type: ignore[method-assign]
+
+
+def announce_draining() -> None:
+    """Log that the server drains, from a signal handler: not there and then (the handler may
+    have interrupted a log call holding the handler's locks, which would deadlock the process
+    for good), but on the event loop once the handler returns."""
+    message = "draining: readiness false, requests in flight finish"
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop: nothing serves yet, so nothing drains
+        return
+    loop.call_soon_threadsafe(logger.info, message)
 
 
 def start_servers(server: ModelServer, sock: socket.socket, rules: Rules) -> None:

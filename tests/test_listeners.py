@@ -62,3 +62,20 @@ def test_check_port_free_finds_a_port_in_use():
         with pytest.raises(StartupError, match=f"cannot listen on gRPC port {port}: "):
             check_port_free(port, "gRPC")
     check_port_free(port, "gRPC")  # released: free again
+
+
+async def test_the_draining_line_is_logged_on_the_loop_after_the_signal_handler(caplog):
+    """A SIGTERM that interrupts a log call must not log from inside the handler: the log
+    handler's locks are held then, and the process would never exit."""
+    import asyncio
+    import logging
+
+    from huggingfaceserver.listeners import announce_draining
+
+    with caplog.at_level(logging.INFO, logger="huggingfaceserver.listeners"):
+        announce_draining()
+        assert "draining" not in caplog.text, "logged inside the signal handler"
+        after = asyncio.Event()
+        asyncio.get_running_loop().call_soon(after.set)  # runs after the scheduled log call
+        await after.wait()
+    assert "draining: readiness false" in caplog.text
