@@ -82,15 +82,7 @@ test-vllm: install install-vllm
 # bench/gpu_run.sh)
 BENCH_ARGS ?=
 DEVICE ?= cpu
-# OpenVINO, for the runtimes workload only (measured beside ONNX Runtime; the server does not use it)
-OPENVINO_VERSION ?= 2026.4.1
-BENCH_STAMP := $(VENV)/.bench-openvino-$(OPENVINO_VERSION)
-
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet "openvino==$(OPENVINO_VERSION)"
-	touch $(BENCH_STAMP)
-
-bench: $(if $(filter cuda,$(DEVICE)),,bytecode $(BENCH_STAMP))
+bench: $(if $(filter cuda,$(DEVICE)),,bytecode)
 ifeq ($(DEVICE),cuda)
 	bash bench/gpu_run.sh $(BENCH_ARGS)
 else

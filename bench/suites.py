@@ -163,6 +163,12 @@ def _runtimes(context: Context) -> Outcome:
     return runtimes.measure(context.models, context.settings, context.cache)
 
 
+def _variants(context: Context) -> Outcome:
+    from . import variants
+
+    return variants.measure(context.models.minilm, context.settings, context.log_dir)
+
+
 def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
 
@@ -189,6 +195,7 @@ SUITES = (
     Suite("structured", "cpu", _structured),
     Suite("peers", "cpu", _peers, _peers_unavailable),
     Suite("runtimes", "cpu", _runtimes),
+    Suite("variants", "cpu", _variants),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
 )

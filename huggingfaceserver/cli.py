@@ -17,10 +17,12 @@ from .protocols.openai.tool_parsers import TOOL_PARSERS
 from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
-BACKENDS = ("auto", "huggingface", "onnx", "vllm")
+BACKENDS = ("auto", "huggingface", "onnx", "openvino", "vllm")
 QUANTIZATIONS = ("int8",)
 LOG_FORMATS = ("text", "json")
 MiB = 1024 * 1024
+DEFAULT_MAX_BATCH_SIZE = 16
+"""Rows per batch without ``--max_batch_size``, on torch (encoders and generation)."""
 
 # `vllm serve` engine flags recognised even when vLLM is not installed, so that a manifest
 # written for the vLLM image still starts on the transformers backend (with a warning).
@@ -67,8 +69,8 @@ class ServerConfig:
     task: Task | None = None
     """The task; inferred from the model's config when not given."""
     backend: str = "auto"
-    """auto | huggingface | onnx | vllm: ``huggingface`` is transformers on torch, ``onnx`` the
-    model's ONNX export on ONNX Runtime (encoder tasks)."""
+    """auto | huggingface | onnx | openvino | vllm: ``huggingface`` is transformers on torch,
+    ``onnx`` and ``openvino`` the model's ONNX export on ONNX Runtime or OpenVINO (encoders)."""
     quantize: str | None = None
     """``int8``: the ONNX backend runs a dynamically quantised export (faster, less exact)."""
     max_length: int | None = None
@@ -93,9 +95,10 @@ class ServerConfig:
     """Classification: the model's id2label names instead of class indices."""
     max_batch_tokens: int = 16384
     """Encoder tasks: padded tokens per forward pass."""
-    max_batch_size: int = 16
+    max_batch_size: int | None = None
     """Sequences per forward pass: encoder batches, and the rows the transformers generation
-    backend decodes together (1 turns batching off)."""
+    backend decodes together (1 turns batching off). None: the backend's own (torch: 16; an
+    encoder on its ONNX export: 8, where padding a batch costs more than batching gains)."""
     batch_wait_ms: float = 2.0
     """Encoder tasks: how long a request waits for others to share its forward pass."""
     chat_template: str | None = None
@@ -266,7 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag("return_offsets_mapping", "token classification: add character offsets")
     add_flag("return_labels", "classification: id2label names instead of class indices")
     add("max_batch_tokens", type=int, default=16384, help="encoders: padded tokens per forward")
-    add("max_batch_size", type=int, default=16, help="sequences per forward (1: off)")
+    add(
+        "max_batch_size",
+        type=int,
+        default=None,
+        help="sequences per forward (1: off; default: 16, or 8 on an ONNX export)",
+    )
     add("batch_wait_ms", type=float, default=2.0, help="encoders: wait to fill a batch (ms)")
     add("chat_template", default=None, help="chat template: Jinja text or a file path")
     add_flag("disable_log_requests", "do not log requests")
@@ -379,7 +387,7 @@ def parse_args(
     if own["max_length"] is not None and own["max_length"] <= 0:
         parser.error("--max_length must be a positive integer")
     for name in ("max_batch_tokens", "max_batch_size"):
-        if own[name] <= 0:
+        if own[name] is not None and own[name] <= 0:
             parser.error(f"--{name} must be a positive integer")
     if own["batch_wait_ms"] < 0:
         parser.error("--batch_wait_ms must not be negative")

@@ -100,10 +100,10 @@ def local_backend(
         from .backends.remote import RemoteEncoder
 
         return RemoteEncoder(source, config)
-    if choice.name == "onnx":
+    if choice.name in ("onnx", "openvino"):
         from .backends.onnx.encoder import OnnxEncoder
 
-        return OnnxEncoder(source, config, fallback=choice.fallback)
+        return OnnxEncoder(source, config, fallback=choice.fallback, backend=choice.name)
     from .backends.transformers import TransformersEncoder  # each backend only when it serves
 
     return TransformersEncoder(source, config)

@@ -41,7 +41,7 @@ CONTRACT_DEFAULTS = {
     "max_log_len": None,
     "chat_template": None,
     "max_batch_tokens": 16384,
-    "max_batch_size": 16,
+    "max_batch_size": None,
     "batch_wait_ms": 2.0,
     "api_workers": None,
     "log_format": "text",

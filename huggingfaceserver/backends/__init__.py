@@ -47,6 +47,12 @@ def onnx_installed() -> bool:
     return onnxruntime_installed()
 
 
+def openvino_installed() -> bool:
+    from .onnx import openvino_installed as installed
+
+    return installed()
+
+
 def vllm_supports(architectures: Sequence[str]) -> bool:
     """Whether the installed vLLM's model registry knows one of the architectures."""
     from .vllm.compat import supported_architectures  # only called when vLLM is installed
@@ -66,6 +72,7 @@ def choose_backend(
     supports: Callable[[Sequence[str]], bool] = vllm_supports,
     kv_cache: Callable[[], KvCachePlan | None] = no_kv_cache_plan,
     onnx: Callable[[], bool] = onnx_installed,
+    openvino: Callable[[], bool] = openvino_installed,
 ) -> BackendChoice:
     """The backend for a model (CONTRACT.md section 1).
 
@@ -73,24 +80,29 @@ def choose_backend(
     not serve the model, decided at load); for generative tasks vLLM when it is installed,
     supports the architecture and its KV cache fits in memory (``kv_cache``: see
     :mod:`.vllm.kv_cache`), else transformers.
-    ``vllm`` and ``onnx``: a startup error when that runtime cannot serve the model.
+    ``vllm``, ``onnx`` and ``openvino``: a startup error when that runtime cannot serve the
+    model.
     """
     arch = ", ".join(architectures) or "unknown architecture"
     if requested == "huggingface":
         return BackendChoice("huggingface", "--backend huggingface")
-    if requested == "onnx":
+    if requested in ("onnx", "openvino"):
         if task.is_generative:
             raise StartupError(
-                f"--backend onnx serves encoder tasks; {task.value} is generative: use "
+                f"--backend {requested} serves encoder tasks; {task.value} is generative: use "
                 "--backend auto, huggingface or vllm"
             )
-        if not onnx():
-            from .onnx import ONNX_INSTALL_HINT
+        from .onnx import ONNX_INSTALL_HINT, OPENVINO_INSTALL_HINT
 
+        if requested == "onnx" and not onnx():
             raise StartupError(
                 f"--backend onnx: ONNX Runtime is not installed; {ONNX_INSTALL_HINT}"
             )
-        return BackendChoice("onnx", "--backend onnx")
+        if requested == "openvino" and not openvino():
+            raise StartupError(
+                f"--backend openvino: OpenVINO is not installed; {OPENVINO_INSTALL_HINT}"
+            )
+        return BackendChoice(requested, f"--backend {requested}")
     if requested == "vllm":
         if not installed():
             raise StartupError(f"--backend vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")

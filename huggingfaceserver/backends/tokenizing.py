@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
 
-from ..cli import ServerConfig
+from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
@@ -125,13 +125,17 @@ class TokenizingEncoder(EncoderBackend):
         }
         limits = BatchLimits(
             self.config.max_batch_tokens,
-            self.config.max_batch_size,
+            self.config.max_batch_size or self.default_max_batch_size(),
             self.config.batch_wait_ms / 1000,
         )
         self.batcher = EncoderBatcher(self.run_rows, pad_values, limits, self.config.model_name)
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
+
+    def default_max_batch_size(self) -> int:
+        """Rows per forward pass without ``--max_batch_size``, once the model is loaded."""
+        return DEFAULT_MAX_BATCH_SIZE
 
     async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
         """Checked and tokenized alone, then run in batches shared with other requests."""

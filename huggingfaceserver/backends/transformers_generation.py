@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..cli import ServerConfig
+from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..errors import BadRequest, StartupError
 from ..generation.constraints import LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
@@ -158,7 +158,9 @@ class TransformersGenerator(GenerationBackend):
             sorted(self.eos_token_ids),
         )
         self.batcher = ContinuousBatcher(
-            self.new_batch, self.config.max_batch_size, self.config.model_name
+            self.new_batch,
+            self.config.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+            self.config.model_name,
         )
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids

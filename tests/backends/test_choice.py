@@ -55,6 +55,22 @@ def test_onnx_requested_for_generation_is_an_error(task):
         choose_backend("onnx", task, LLAMA, onnx=installed(True))
 
 
+@pytest.mark.parametrize("task", ENCODER_TASKS)
+def test_openvino_requested_is_openvino(task):
+    choice = choose_backend("openvino", task, ["BertModel"], openvino=installed(True))
+    assert (choice.name, choice.fallback) == ("openvino", False)
+
+
+def test_openvino_requested_for_generation_is_an_error():
+    with pytest.raises(StartupError, match="--backend openvino serves encoder tasks"):
+        choose_backend("openvino", Task.text_generation, LLAMA, openvino=installed(True))
+
+
+def test_openvino_requested_but_not_installed_says_what_to_install():
+    with pytest.raises(StartupError, match=r"pip install huggingfaceserver\[openvino\]"):
+        choose_backend("openvino", Task.text_embedding, ["BertModel"], openvino=installed(False))
+
+
 def test_onnx_requested_but_not_installed_says_what_to_install():
     with pytest.raises(StartupError, match="pip install onnxruntime"):
         choose_backend("onnx", Task.text_embedding, ["BertModel"], onnx=installed(False))

@@ -1,9 +1,10 @@
-"""The encoder backend on ONNX Runtime: the torch backend's tokenizer, batcher and results,
-with the forward pass run by an ONNX Runtime session on the model's export."""
+"""The encoder backend on the model's ONNX export: the torch backend's tokenizer, batcher and
+results, with the forward pass run by ONNX Runtime or OpenVINO (:data:`RUNTIMES`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from transformers import BatchEncoding
@@ -21,11 +22,32 @@ from .store import ExportStore, StoredGraph
 logger = logging.getLogger(__name__)
 
 
-class OnnxEncoder(TransformersEncoder):
-    """``--backend onnx``, and ``auto`` for encoder tasks on CPU (``fallback``: where ONNX
-    Runtime cannot serve the model, torch does, with the reason logged)."""
+EXPORT_MAX_BATCH_SIZE = 8
+"""Rows per forward pass on an export without ``--max_batch_size``: on ONNX Runtime a batch
+padded to its longest row costs more than batching saves (plain ONNX Runtime is fastest at batch
+1 on MiniLM), and at C=32 the server ran 1.28x faster with 8 than with torch's 16 (BENCHMARKS.md,
+Server runtime flags)."""
 
-    name = "onnx"
+
+class GraphSession(Protocol):
+    """A loaded export: runs the server's padded batches."""
+
+    threads: int
+
+    def run(self, batch: BatchEncoding) -> torch.Tensor: ...
+
+
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "onnx": ("onnxruntime", "ONNX Runtime"),
+    "openvino": ("openvino", "OpenVINO"),
+}
+"""``--backend`` value -> the runtime its graph is made for (:class:`GraphSpec`), its name."""
+
+
+class OnnxEncoder(TransformersEncoder):
+    """The model's ONNX export on ONNX Runtime (``--backend onnx``, and ``auto`` for encoder
+    tasks on CPU) or OpenVINO (``--backend openvino``). ``fallback``: where the runtime cannot
+    serve the model, torch does, with the reason logged."""
 
     def __init__(
         self,
@@ -33,11 +55,14 @@ class OnnxEncoder(TransformersEncoder):
         config: ServerConfig,
         fallback: bool = False,
         store: ExportStore | None = None,
+        backend: str = "onnx",
     ):
         super().__init__(source, config)
+        self.name = backend
+        self.runtime, self.runtime_name = RUNTIMES[backend]
         self.fallback = fallback
         self.store = store or ExportStore.default()
-        self.session: OnnxSession | None = None
+        self.session: GraphSession | None = None
         self.graph: StoredGraph | None = None
         """The export the session runs (None on torch)."""
 
@@ -46,15 +71,21 @@ class OnnxEncoder(TransformersEncoder):
         if self.inputs.token_type_ids:
             inputs.append("token_type_ids")
         return GraphSpec(
-            self.task.auto_model, tuple(inputs), self.task.output_field, self.config.quantize
+            self.task.auto_model,
+            tuple(inputs),
+            self.task.output_field,
+            self.config.quantize,
+            self.runtime,
         )
 
     def unsupported(self) -> str | None:
-        """Why ONNX Runtime does not serve the model here, before trying."""
+        """Why the runtime does not serve the model here, before trying."""
         if self.device.type == "cuda":
             return "a CUDA device runs encoders on torch"
-        if self.dtype != torch.float32:
+        if self.dtype not in (torch.float32, *self.other_dtypes()):
             return f"--dtype {self.config.dtype}: the export runs in float32"
+        if self.config.quantize and self.runtime != "onnxruntime":
+            return f"--quantize {self.config.quantize} quantises for ONNX Runtime only"
         if self.fallback and self.config.trust_remote_code:
             return "custom model code (--trust_remote_code) is not exported automatically"
         return None
@@ -71,7 +102,7 @@ class OnnxEncoder(TransformersEncoder):
         except OnnxUnavailable as exc:
             if not self.fallback:
                 raise StartupError(
-                    f"--backend onnx: ONNX Runtime cannot serve the model: {exc}"
+                    f"--backend {self.name}: {self.runtime_name} cannot serve the model: {exc}"
                 ) from None
             logger.warning(
                 "ONNX Runtime cannot serve the model (%s): running it on torch%s",
@@ -81,16 +112,34 @@ class OnnxEncoder(TransformersEncoder):
             self.name = "huggingface"
             super().load_model()
 
-    def open_session(self, graph: StoredGraph) -> OnnxSession:
-        session = OnnxSession.load(str(graph.path), self.task.output_field)
+    def other_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Inference precisions beside float32 that the runtime offers (``--dtype``)."""
+        if self.runtime == "openvino":
+            from .openvino_session import PRECISIONS
+
+            return tuple(PRECISIONS)
+        return ()
+
+    def open_session(self, graph: StoredGraph) -> GraphSession:
+        session: GraphSession
+        if self.runtime == "openvino":
+            from .openvino_session import OpenVinoSession
+
+            session = OpenVinoSession.load(
+                str(graph.path), self.task.output_field, dtype=self.dtype
+            )
+        else:
+            session = OnnxSession.load(str(graph.path), self.task.output_field)
         self.graph = graph
         logger.info(
-            "loaded the ONNX export of %s (%s, %s; %s, %d intra-op threads, max length %d)",
+            "loaded the ONNX export of %s on %s (%s, %s; %s, %d threads, %s, max length %d)",
             self.source.path.name,
+            self.runtime_name,
             self.task.task.value,
             graph.origin,
             graph.record["built"]["origin"],
             session.threads,
+            self.dtype,
             self.max_length,
         )
         return session
@@ -98,6 +147,11 @@ class OnnxEncoder(TransformersEncoder):
     def shutdown(self) -> None:
         super().shutdown()
         self.session = None  # the session holds the weights
+
+    def default_max_batch_size(self) -> int:
+        if self.session is None:
+            return super().default_max_batch_size()
+        return EXPORT_MAX_BATCH_SIZE
 
     def tune(self) -> None:
         if self.session is None:

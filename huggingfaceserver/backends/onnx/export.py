@@ -18,7 +18,7 @@ import copy
 import gc
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,9 @@ class GraphSpec:
     """The model output the task reads: ``logits`` or ``last_hidden_state``."""
     quantize: str | None = None
     """``int8``: dynamic quantisation of the graph's weights."""
+    runtime: str = "onnxruntime"
+    """What runs the graph: ``onnxruntime`` (fused with its own operators) or ``openvino``
+    (the plain ONNX graph, which OpenVINO reads and optimises itself)."""
 
 
 @dataclass
@@ -245,15 +248,33 @@ def needs_external_data(path: Path) -> bool:
     return total > 1_800_000_000
 
 
-def session_for_check(path: Path) -> Any:
+Runner = Callable[[dict[str, np.ndarray]], np.ndarray]
+"""A graph loaded for the checks: a batch (every input the server has) to its one output."""
+
+
+def runner_for_check(path: Path, output: str, runtime: str = "onnxruntime") -> Runner:
+    """The graph at ``path`` on ``runtime`` (OpenVINO in float32), on one thread."""
+    if runtime == "openvino":
+        from .openvino_session import OpenVinoSession
+
+        return OpenVinoSession.load(str(path), output, threads=1).run_numpy
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
     try:
-        return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(
+            str(path), options, providers=["CPUExecutionProvider"]
+        )
     except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors
         raise OnnxUnavailable(f"ONNX Runtime cannot load the graph: {exc}") from None
+    taken = {i.name for i in session.get_inputs()}
+
+    def run(batch: dict[str, np.ndarray]) -> np.ndarray:
+        (result,) = session.run([output], {k: v for k, v in batch.items() if k in taken})
+        return result
+
+    return run
 
 
 def valid_positions(reference: np.ndarray, batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -264,20 +285,24 @@ def valid_positions(reference: np.ndarray, batch: dict[str, np.ndarray]) -> np.n
 
 
 def difference_to_torch(
-    path: Path, model: Any, names: Sequence[str], output: str, config: Any
+    path: Path,
+    model: Any,
+    names: Sequence[str],
+    output: str,
+    config: Any,
+    runtime: str = "onnxruntime",
 ) -> tuple[float, float]:
-    """How far the graph's outputs are from torch's on :data:`CHECK_LENGTHS`: the largest
-    difference relative to the tolerance (1.0 is the tolerance), and the largest absolute one.
-    OnnxUnavailable when the graph does not run or gives another shape."""
-    session = session_for_check(path)
-    taken = {i.name for i in session.get_inputs()}
+    """How far the graph's outputs on ``runtime`` are from torch's on :data:`CHECK_LENGTHS`:
+    the largest difference relative to the tolerance (1.0 is the tolerance), and the largest
+    absolute one. OnnxUnavailable when the graph does not run or gives another shape."""
+    run = runner_for_check(path, output, runtime)
     worst = largest = 0.0
     for seed, lengths in enumerate(CHECK_LENGTHS, start=1):
         batch = probe_batch(lengths, names, config, seed)
         expected = torch_output(model, names, output, batch)
         try:
-            (got,) = session.run([output], {k: v for k, v in batch.items() if k in taken})
-        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors
+            got = run(batch)
+        except Exception as exc:  # noqa: BLE001 - the runtimes raise their own untyped errors
             raise OnnxUnavailable(f"the graph fails on a batch of {lengths}: {exc}") from None
         if got.shape != expected.shape:
             raise OnnxUnavailable(f"the graph gives {got.shape} where torch gives {expected.shape}")
@@ -292,13 +317,10 @@ def difference_to_torch(
 def min_row_cosine(int8: Path, float32: Path, names: Sequence[str], output: str, config: Any):
     """Per row (and token), the cosine of the int8 graph's output to the float32 one's."""
     worst = 1.0
+    runs = [runner_for_check(path, output) for path in (int8, float32)]
     for seed, lengths in enumerate(CHECK_LENGTHS, start=1):
         batch = probe_batch(lengths, names, config, seed)
-        outputs = []
-        for path in (int8, float32):
-            session = session_for_check(path)
-            taken = {i.name for i in session.get_inputs()}
-            outputs.append(session.run([output], {k: v for k, v in batch.items() if k in taken})[0])
+        outputs = [run(batch) for run in runs]
         where = valid_positions(outputs[1], batch)
         a, b = (o[where].reshape(-1, o.shape[-1]) for o in outputs)
         cosine = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
@@ -354,24 +376,26 @@ def build(
             built = BuiltGraph(origin)
             fused = workdir / f"fused-{len(reasons)}.onnx"
             attempts: list[Path] = [plain]
-            if config.model_type in FUSED_MODEL_TYPES:
+            if spec.runtime == "onnxruntime" and config.model_type in FUSED_MODEL_TYPES:
                 try:
                     built.fused = fuse(plain, fused, config)
                     attempts.insert(0, fused)
                 except Exception as exc:  # noqa: BLE001 - the optimizer's own failures
                     logger.info("ONNX Runtime's fusions failed (%s): the graph runs unfused", exc)
             for graph in attempts:
-                worst, built.max_difference = difference_to_torch(
-                    graph, model, names, spec.output, config
-                )
+                what = f"{origin}{' (fused)' if graph is fused else ''}"
+                try:
+                    worst, built.max_difference = difference_to_torch(
+                        graph, model, names, spec.output, config, spec.runtime
+                    )
+                except OnnxUnavailable as exc:  # a graph the runtime cannot run: the next one
+                    reasons.append(f"{what}: {exc}")
+                    continue
                 if worst <= 1.0:
                     if graph is not fused:
                         built.fused = {}
                     return finish(graph, target, built, spec, names, config)
-                reasons.append(
-                    f"{origin}{' (fused)' if graph is fused else ''} is {worst:.1f}x the "
-                    "tolerance away from torch"
-                )
+                reasons.append(f"{what} is {worst:.1f}x the tolerance away from torch")
         raise OnnxUnavailable("; ".join(reasons))
     finally:
         del model

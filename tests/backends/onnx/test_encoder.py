@@ -35,7 +35,13 @@ class FailingStore(ExportStore):
 
 def encoder_for(path: Path, *flags: str, fallback: bool, store: ExportStore) -> OnnxEncoder:
     config = parse_args(["--model_dir", str(path), *flags])
-    backend = OnnxEncoder(load_source(config), config, fallback=fallback, store=store)
+    backend = OnnxEncoder(
+        load_source(config),
+        config,
+        fallback=fallback,
+        store=store,
+        backend=config.backend if config.backend in ("onnx", "openvino") else "onnx",
+    )
     backend.load()
     return backend
 
@@ -93,6 +99,31 @@ def test_backend_onnx_with_another_dtype_is_a_startup_error(tiny_models):
         )
 
 
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [(["--dtype", "half"], "float32"), (["--quantize", "int8"], "ONNX Runtime")],
+)
+def test_openvino_refuses_what_it_does_not_run(tiny_models, flags, match):
+    path = str(tiny_models["bert_embedding"])
+    with pytest.raises(StartupError, match=match):
+        load_model(["--model_dir", path, "--backend", "openvino", *flags])
+
+
+async def test_openvino_bfloat16_stays_close_to_float32(minilm_path, tmp_path):
+    """``--dtype bfloat16``: OpenVINO's bfloat16 inference precision (what it picks itself on
+    CPUs with bfloat16 instructions), on the same float32 export."""
+    flags = ["--task", "text_embedding", "--backend", "openvino"]
+    store = ExportStore(tmp_path)
+    half = encoder_for(minilm_path, *flags, "--dtype", "bfloat16", fallback=False, store=store)
+    exact = encoder_for(minilm_path, *flags, fallback=False, store=store)
+    assert (half.session.precision, exact.session.precision) == ("bf16", "f32")
+    assert half.graph.path == exact.graph.path, "one export, two precisions"
+    cosines = (np.array(await half.infer(TEXTS)) * np.array(await exact.infer(TEXTS))).sum(axis=1)
+    assert cosines.min() >= 0.999
+    half.shutdown()
+    exact.shutdown()
+
+
 def test_quantize_needs_the_onnx_backend(tiny_models):
     with pytest.raises(StartupError, match="--quantize int8 .*ONNX"):
         load_model(
@@ -139,3 +170,15 @@ async def test_int8_embeddings_stay_close_to_float32(minilm_path, tmp_path):
     assert not np.array_equal(quantized, reference), "the int8 graph is another graph"
     int8.shutdown()
     exact.shutdown()
+
+
+def test_an_export_runs_8_rows_a_batch_unless_told_otherwise(tiny_models):
+    path = str(tiny_models["bert_embedding"])
+
+    def rows(*flags: str) -> int:
+        return load_model(["--model_dir", path, *flags]).backend.batcher.limits.max_batch_size
+
+    assert rows() == 8
+    assert rows("--backend", "openvino") == 8
+    assert rows("--max_batch_size", "16") == 16
+    assert rows("--backend", "huggingface") == 16

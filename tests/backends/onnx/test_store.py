@@ -169,3 +169,16 @@ def test_a_graph_that_does_not_load_is_unavailable(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"nothing")
     with pytest.raises(OnnxUnavailable, match="cannot load"):
         OnnxSession.load(str(tmp_path / "bad.onnx"), "logits")
+
+
+def test_a_shipped_graph_that_differs_from_the_weights_is_skipped_for_an_export(model, tmp_path):
+    """A folder whose onnx/model.onnx was exported from other weights (a stale export)."""
+    stale = open_graph(ExportStore(tmp_path / "cache"), model)
+    (model / "onnx").mkdir()
+    shutil.copy(stale.path, model / "onnx" / "model.onnx")
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4000:] = bytes(4000)  # the last tensors' values zeroed: other outputs
+    weights.write_bytes(bytes(data))
+    graph = open_graph(ExportStore(tmp_path / "other"), model)
+    assert graph.record["built"]["origin"] == "export"
