@@ -253,28 +253,15 @@ Runner = Callable[[dict[str, np.ndarray]], np.ndarray]
 
 
 def runner_for_check(path: Path, output: str, runtime: str = "onnxruntime") -> Runner:
-    """The graph at ``path`` on ``runtime`` (OpenVINO in float32), on one thread."""
+    """The graph at ``path`` on ``runtime`` (OpenVINO in float32), on one thread, loaded as the
+    server loads it."""
     if runtime == "openvino":
         from .openvino_session import OpenVinoSession
 
         return OpenVinoSession.load(str(path), output, threads=1).run_numpy
-    import onnxruntime
+    from .session import OnnxSession
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    try:
-        session = onnxruntime.InferenceSession(
-            str(path), options, providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors
-        raise OnnxUnavailable(f"ONNX Runtime cannot load the graph: {exc}") from None
-    taken = {i.name for i in session.get_inputs()}
-
-    def run(batch: dict[str, np.ndarray]) -> np.ndarray:
-        (result,) = session.run([output], {k: v for k, v in batch.items() if k in taken})
-        return result
-
-    return run
+    return OnnxSession.load(str(path), output, threads=1).run_numpy
 
 
 def valid_positions(reference: np.ndarray, batch: dict[str, np.ndarray]) -> np.ndarray:
