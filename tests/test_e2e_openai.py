@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -184,6 +185,64 @@ def test_concurrent_chat_requests_all_complete(client):
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(chat, conversations))
     assert together == [chat(messages) for messages in conversations]
+
+
+def stream_events(url: str, body: dict, started: threading.Event | None = None) -> list[dict]:
+    """Every event of a streamed completion; ``started`` is set once the first one arrived."""
+    events = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                if started is not None:
+                    started.set()
+    return events
+
+
+def streamed_text(events: list[dict]) -> str:
+    assert all("error" not in event for event in events)
+    return "".join(event["choices"][0]["text"] for event in events if event["choices"])
+
+
+def test_a_request_that_fails_in_a_shared_batch_fails_alone(server):
+    """A sampled request whose grammar is complete before its ``min_tokens`` (no token is
+    allowed next) fails with an error event, while three greedy streams decoded in the same
+    batch go on and produce what each produces alone."""
+    url = f"{server.url}/openai/v1/completions"
+    prompts = ["Hello world", "The capital of France", "Once upon a time"]
+    bodies = [
+        {"model": "llama", "prompt": p, "temperature": 0, "max_tokens": 96, "ignore_eos": True}
+        for p in prompts
+    ]
+    alone = [streamed_text(stream_events(url, body)) for body in bodies]
+    poisoned = {
+        "model": "llama",
+        "prompt": "Answer:",
+        "temperature": 1.0,
+        "seed": 7,
+        "min_tokens": 12,
+        "max_tokens": 20,
+        "structured_outputs": {"choice": ["yes"]},
+    }
+    failed = stream_events(url, poisoned)  # alone first: its grammar is compiled once
+    assert "error" in failed[-1], failed
+    assert failed[-1]["error"]["type"] == "invalid_request_error"
+    assert "min_tokens" in failed[-1]["error"]["message"]
+    since = len(server.log())
+    started = [threading.Event() for _ in bodies]
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        streams = [
+            pool.submit(stream_events, url, b, s) for b, s in zip(bodies, started, strict=True)
+        ]
+        assert all(event.wait(30) for event in started)
+        assert stream_events(url, poisoned)[-1] == failed[-1]
+        # the others had 90-odd tokens to go when it failed: it was decoded with them
+        assert not all(stream.done() for stream in streams)
+        together = [streamed_text(stream.result()) for stream in streams]
+    assert together == alone
+    assert "retrying each apart" not in server.log()[since:]  # not the forward: its own row
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
 
 
 def test_a_client_that_leaves_a_stream_stops_generation(server):

@@ -7,9 +7,14 @@ so that padding stays bounded; a request that scores its prompt runs alone), the
 join the running batch.
 Every step then feeds all running rows at once; each row samples with its own settings and
 generator, and each request receives its own rows' deltas. Finished rows and rows of requests
-whose consumer left drop out after the step. A failing prefill fails its own request (a group's
-prompts are then run one at a time); a failing step fails the requests of that batch; the loop
-goes on.
+whose consumer left drop out after the step.
+
+The failure domain is one request. A failing prefill fails its own request (a group's prompts
+are then run one at a time). A step whose forward fails is retried with each request's rows in
+a batch of their own (where the batch splits), so that only the request that breaks the model
+fails. What goes wrong in one row after the forward (its sampling settings, logits, grammar,
+text, stop strings) fails that row's request alone, before any other row draws its token: the
+other rows produce exactly what they would have produced without it. The loop goes on.
 """
 
 from __future__ import annotations
@@ -215,16 +220,51 @@ class ContinuousBatcher:
             self.running.append(group)
 
     def _step(self, group: Running) -> None:
-        """One decode step of a batch; a failure ends the batch's requests."""
+        """One decode step of a batch. A forward that fails is retried with each request's
+        rows apart (:meth:`_retry_apart`); anything else that fails ends the batch's
+        requests."""
         try:
             logits = group.batch.step([row.output_ids[-1] for row in group.rows])
+        except Exception as exc:
+            self._retry_apart(group, exc)
+            return
+        try:
             self._advance(group, logits)
         except Exception as exc:
+            logger.exception("a decode step failed for %d requests", len(set(group.owners)))
             for request in dict.fromkeys(group.owners):
                 self._end(request, exc)
             group.rows.clear()
         if not group.rows:
             self.running.remove(group)
+
+    def _retry_apart(self, group: Running, exc: Exception) -> None:
+        """After a failed forward: each request's rows in a batch of their own, stepped again,
+        so that only a request whose rows break the model fails (with its own error)."""
+        owners = list(dict.fromkeys(group.owners))
+        if len(owners) == 1 or not group.batch.splits:
+            logger.warning("a decode step failed for %d requests: %r", len(owners), exc)
+            for request in owners:
+                self._end(request, exc)
+            self.running.remove(group)
+            return
+        logger.warning(
+            "a decode step failed for %d requests (%r): retrying each apart", len(owners), exc
+        )
+        parts = [group]
+        for owner in owners[1:]:
+            positions = [i for i, o in enumerate(group.owners) if o is owner]
+            moved = group.batch.split(positions)
+            parts.append(
+                Running(moved, [group.rows[i] for i in positions], [owner] * len(positions))
+            )
+            kept = [i for i, o in enumerate(group.owners) if o is not owner]
+            group.rows = [group.rows[i] for i in kept]
+            group.owners = [group.owners[i] for i in kept]
+        where = self.running.index(group) + 1
+        self.running[where:where] = parts[1:]
+        for part in parts:
+            self._step(part)
 
     def _advance(
         self,
@@ -237,9 +277,17 @@ class ContinuousBatcher:
         the prompt's logprobs, when scored), drop the rows that finished or whose request was
         cancelled."""
         deltas: dict[Request, list[ChoiceDelta]] = {}
-        for owner, delta in zip(group.owners, advance(group.rows, logits), strict=True):
-            delta.prompt_logprobs = prompt_logprobs
-            deltas.setdefault(owner, []).append(delta)
+        failed: dict[Request, Exception] = {}
+        for owner, outcome in zip(group.owners, advance(group.rows, logits), strict=True):
+            if isinstance(outcome, Exception):
+                failed.setdefault(owner, outcome)
+                continue
+            outcome.prompt_logprobs = prompt_logprobs
+            deltas.setdefault(owner, []).append(outcome)
+        for owner, error in failed.items():
+            deltas.pop(owner, None)
+            log_row_failure(error)
+            self._end(owner, error)
         if first:
             for request in deltas:
                 self.metrics.first_tokens(
@@ -252,7 +300,10 @@ class ContinuousBatcher:
         live = [
             i
             for i, (row, owner) in enumerate(zip(group.rows, group.owners, strict=True))
-            if row.finish_reason is None and not row.aborted and not owner.cancelled.is_set()
+            if row.finish_reason is None
+            and not row.aborted
+            and not owner.cancelled.is_set()
+            and owner not in failed
         ]
         if len(live) == len(group.rows):
             return
@@ -301,6 +352,15 @@ def prefill_groups(requests: list[Request]) -> list[list[Request]]:
     if group:
         groups.append(group)
     return groups
+
+
+def log_row_failure(error: Exception) -> None:
+    """A request's own rows failed it: the request's fault (a 4xx) is noted, anything else is
+    logged with its traceback."""
+    if getattr(error, "status_code", 500) < 500:
+        logger.info("generation request failed: %s", error)
+    else:
+        logger.error("generation request failed", exc_info=error)
 
 
 def finished_reason(row: SequenceState, outcome: BaseException | None) -> str:

@@ -2,12 +2,17 @@
 
 A batch starts as one request's rows (its prompt run once, the cache repeated per row), or, for
 a decoder-only model whose forward takes ``position_ids``, as the rows of several requests
-admitted together: their prompts left-padded into one forward, as ``generate`` runs a batch. A
-decoder-only model whose cache is a plain :class:`~transformers.DynamicCache` can then *absorb*
-other batches: both caches are left-padded to the same length and concatenated, an attention
-mask hides the padding and each row keeps its own positions, so rows of requests that started at
-different times step together (continuous batching). Other models (sequence-to-sequence,
-sliding-window or recurrent caches) keep one batch per request.
+admitted together: their prompts left-padded into one forward, as ``generate`` runs a batch.
+Where the model's cache is plain full attention, the batch keeps it in a
+:class:`~.kv_cache.ReservedCache` (written in place, never copied per step) and can *absorb*
+other batches: their rows join its free rows, right-aligned, an attention mask hides the padding
+and each row keeps its own positions, so rows of requests that started at different times step
+together (continuous batching). Other models (sequence-to-sequence, sliding-window or recurrent
+caches) keep transformers' own cache and one batch per prefill.
+
+A step that raises leaves a reserved batch as it was, and :meth:`DecodeBatch.split` moves rows
+out into a batch of their own: the decode loop retries a failed step with each request's rows
+apart, so that only the request whose rows break the model fails.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
+
+from .kv_cache import ReservedCache, full_attention_only, num_cache_layers
 
 
 class DecodeBatch(ABC):
@@ -66,65 +72,90 @@ class DecodeBatch(ABC):
         (changing nothing) when the two cannot be decoded as one batch."""
         return False
 
+    @property
+    def splits(self) -> bool:
+        """Whether :meth:`split` can move rows out (after a step that raised too)."""
+        return False
+
+    def split(self, rows: list[int]) -> DecodeBatch:
+        """Move these rows (by position) out into a new batch; this one keeps the others, in
+        their order. Only where :attr:`splits`."""
+        raise NotImplementedError(f"{type(self).__name__} does not split")
+
 
 def _takes(model: PreTrainedModel, argument: str) -> bool:
     return argument in inspect.signature(model.forward).parameters
 
 
-def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """``tensor`` with zeros before its entries along ``dim`` up to ``length`` entries."""
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [missing, 0]
-    return F.pad(tensor, pad)
+def _cache_argument(model: PreTrainedModel) -> str:
+    """The forward's keyword for the KV cache: ``cache`` since transformers 5.2x, before
+    ``past_key_values``."""
+    return "cache" if _takes(model, "cache") else "past_key_values"
 
 
-def _stack(first: torch.Tensor, second: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """Both left-padded to ``length`` along ``dim``, then one after the other (batch dim)."""
-    return torch.cat([_left_pad(first, length, dim), _left_pad(second, length, dim)])
+def _returned_cache(output: Any) -> Any:
+    return output["cache"] if "cache" in output else output["past_key_values"]
 
 
 class CausalLMBatch(DecodeBatch):
-    """A decoder-only model. ``mask`` marks the cache columns that hold tokens (1) rather
-    than left padding (0); ``positions`` is each row's next position."""
+    """A decoder-only model on transformers' own cache (sliding-window, recurrent or mixed
+    layers). ``mask`` marks the cache columns that hold tokens (1) rather than left padding
+    (0); ``positions`` is each row's next position."""
 
     def __init__(self, model: PreTrainedModel):
         super().__init__(model)
         keep_last = _takes(model, "logits_to_keep")
         self.extra: dict[str, Any] = {"logits_to_keep": 1} if keep_last else {}
         self.takes_positions = _takes(model, "position_ids") and _takes(model, "attention_mask")
+        self.cache_argument = _cache_argument(model)
         self.cache: Any = None
         self.mask = torch.empty(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, every_position: bool = False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        every_position: bool = False,
     ) -> torch.Tensor:
         """The logits ``[rows, positions, V]``: of the last position only, unless
         ``every_position``."""
-        inputs = {"attention_mask": self.mask, "position_ids": position_ids}
+        inputs = {"attention_mask": mask, "position_ids": position_ids}
         extra = {**self.extra, "logits_to_keep": 0} if every_position and self.extra else self.extra
         output = self.model(
             input_ids=input_ids,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_argument: self.cache},
             **(inputs if self.takes_positions else {}),
             **extra,
         )
-        self.cache = output.past_key_values
+        self._keep_cache(_returned_cache(output), input_ids.shape[1])
         return output.logits if every_position else output.logits[:, -1:]
+
+    def _keep_cache(self, cache: Any, tokens: int) -> None:
+        """The cache after a forward that fed ``tokens`` tokens per row."""
+        self.cache = cache
+
+    def _begin(self, tokens: int, rows: int) -> torch.Tensor:
+        """The attention mask of a first forward of ``rows`` rows of ``tokens`` tokens."""
+        return torch.ones(rows, tokens, dtype=torch.long, device=self.device)
+
+    def _repeat(self, index: torch.Tensor) -> None:
+        """The rows after a first forward, repeated or reordered by ``index``."""
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask.index_select(0, index)
 
     def prefill(
         self, prompt_ids: list[int], rows: int, score_prompt: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         length = len(prompt_ids)
-        self.mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+        mask = self._begin(length, 1)
         positions = torch.arange(length, device=self.device)[None]
-        logits = self._forward(self._ids([prompt_ids]), positions, score_prompt)[0]
+        logits = self._forward(self._ids([prompt_ids]), positions, mask, score_prompt)[0]
+        self.mask = mask
         if rows > 1:
-            self.cache.batch_repeat_interleave(rows)
-        self.mask = self.mask.expand(rows, -1).contiguous()
+            self._repeat(torch.zeros(rows, dtype=torch.long, device=self.device))
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
         return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
 
@@ -134,30 +165,31 @@ class CausalLMBatch(DecodeBatch):
 
     def prefill_together(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         length = max(len(ids) for ids in prompts)
-        self.mask = torch.tensor(
-            [[0] * (length - len(ids)) + [1] * len(ids) for ids in prompts],
-            dtype=torch.long,
-            device=self.device,
-        )
-        ids = self._ids([[0] * (length - len(ids)) + ids for ids in prompts])  # 0: masked out
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(ids, positions)[:, -1]
-        lengths = torch.tensor([len(ids) for ids in prompts], device=self.device)
+        mask = self._begin(length, len(prompts))
+        for row, prompt in enumerate(prompts):
+            mask[row, : length - len(prompt)] = 0
+        ids = self._ids([[0] * (length - len(p)) + p for p in prompts])  # 0: masked out
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids, positions, mask)[:, -1]
+        self.mask = mask
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         if any(count != 1 for count in rows):
             index = torch.repeat_interleave(
                 torch.arange(len(prompts), device=self.device),
                 torch.tensor(rows, device=self.device),
             )
-            self.cache.batch_select_indices(index)
-            self.mask = self.mask.index_select(0, index)
+            self._repeat(index)
             logits = logits.index_select(0, index)
             lengths = lengths.index_select(0, index)
         self.positions = lengths
         return logits
 
     def step(self, tokens: list[int]) -> torch.Tensor:
-        self.mask = F.pad(self.mask, [0, 1], value=1)
-        logits = self._forward(self._ids([[token] for token in tokens]), self.positions[:, None])
+        mask = F.pad(self.mask, [0, 1], value=1)
+        logits = self._forward(
+            self._ids([[token] for token in tokens]), self.positions[:, None], mask
+        )
+        self.mask = mask
         self.positions = self.positions + 1
         return logits[:, -1]
 
@@ -166,36 +198,80 @@ class CausalLMBatch(DecodeBatch):
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
-        self._trim()
 
-    def _trim(self) -> None:
-        """Drop the leading cache columns that are padding in every row."""
-        start = int(self.mask.any(dim=0).int().argmax())
-        if start > 0 and self.mergeable:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, start:]
-                layer.values = layer.values[:, :, start:]
-            self.mask = self.mask[:, start:]
 
-    @property
-    def mergeable(self) -> bool:
-        """Whether the cache can be padded and concatenated: plain full-attention layers."""
+class ReservedCausalLMBatch(CausalLMBatch):
+    """A decoder-only model whose cache is full attention in every layer: the cache is a
+    :class:`~.kv_cache.ReservedCache` (its mask is the batch's), written in place; batches
+    absorb each other and split."""
+
+    def __init__(self, model: PreTrainedModel, max_rows: int, cache: ReservedCache | None = None):
+        super().__init__(model)
+        if cache is None:
+            cache = ReservedCache(num_cache_layers(model.config), max_rows, self.device)
+        self.cache = cache
+
+    @staticmethod
+    def fits(model: PreTrainedModel) -> bool:
+        """Whether this model's rows can be kept this way."""
         return (
-            self.takes_positions
-            and type(self.cache) is DynamicCache
-            and all(type(layer) is DynamicLayer for layer in self.cache.layers)
+            _takes(model, "position_ids")
+            and _takes(model, "attention_mask")
+            and full_attention_only(model.config)
         )
 
+    def _keep_cache(self, cache: Any, tokens: int) -> None:
+        if cache is not self.cache:
+            raise RuntimeError(f"{type(self.model).__name__} replaced the KV cache it was given")
+        self.cache.advance(tokens)
+
+    def _begin(self, tokens: int, rows: int) -> torch.Tensor:
+        return self.cache.reserve(tokens, rows)
+
+    def _repeat(self, index: torch.Tensor) -> None:
+        self.cache.select_rows(index.tolist())
+
+    @property
+    def mask(self) -> torch.Tensor:  # type: ignore[override]
+        return self.cache.mask
+
+    @mask.setter
+    def mask(self, value: torch.Tensor) -> None:
+        pass  # the cache's own, set through reserve
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        mask = self.cache.reserve(1)
+        logits = self._forward(
+            self._ids([[token] for token in tokens]), self.positions[:, None], mask
+        )
+        self.positions = self.positions + 1
+        return logits[:, -1]
+
+    def keep(self, rows: list[int]) -> None:
+        self.cache.select_rows(rows)
+        self.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        self.cache.trim()
+
     def absorb(self, other: DecodeBatch) -> bool:
-        if not (isinstance(other, CausalLMBatch) and self.mergeable and other.mergeable):
+        if not isinstance(other, ReservedCausalLMBatch):
             return False
-        length = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = _stack(mine.keys, theirs.keys, length, 2)
-            mine.values = _stack(mine.values, theirs.values, length, 2)
-        self.mask = _stack(self.mask, other.mask, length, 1)
+        self.cache.absorb(other.cache)
         self.positions = torch.cat([self.positions, other.positions])
         return True
+
+    @property
+    def splits(self) -> bool:
+        return True
+
+    def split(self, rows: list[int]) -> DecodeBatch:
+        taken = ReservedCausalLMBatch(self.model, self.cache.max_rows, self.cache.take_rows(rows))
+        taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        taken.cache.trim()
+        moved = set(rows)
+        kept = [row for row in range(self.cache.rows) if row not in moved]
+        if kept:
+            self.keep(kept)
+        return taken
 
 
 class Seq2SeqBatch(DecodeBatch):
@@ -221,10 +297,10 @@ class Seq2SeqBatch(DecodeBatch):
         output = self.model(
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
             decoder_input_ids=self._ids([[token] for token in tokens]),
-            past_key_values=self.cache,
             use_cache=True,
+            **{_cache_argument(self.model): self.cache},
         )
-        self.cache = output.past_key_values
+        self.cache = _returned_cache(output)
         return output.logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:

@@ -8,6 +8,7 @@ and tells the engine when a stop string ended a choice.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -107,7 +108,10 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
     ) -> AsyncIterator[list[ChoiceDelta]]:
         """The engine's token deltas with their text; a choice that a stop string ended here
         is stopped there too, and leaving early aborts the whole request."""
-        self.check_request(prompt_ids, params, adapter)
+        if params.constraint is None:
+            self.check_request(prompt_ids, params, adapter)
+        else:  # a grammar is compiled and checked: not on the event loop
+            await asyncio.to_thread(self.check_request, prompt_ids, params, adapter)
         texts = [ChoiceText.for_params(self.tokenizer, params) for _ in range(params.n)]
         running = set(range(params.n))
         request_id, queue = self.client.generate(prompt_ids, params, adapter)

@@ -32,7 +32,7 @@ from ..loop_calls import LoopCalls
 from ..tasks import Task
 from .base import GenerationBackend
 from .continuous_batching import ContinuousBatcher, Request
-from .decode_batch import CausalLMBatch, DecodeBatch, Seq2SeqBatch
+from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
 from .tokenizing import UNSET_MAX_LENGTH
 from .transformers import CALIBRATION_SHAPE, calibrate_cpu_threads
 
@@ -157,11 +157,9 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
-        self.batcher = ContinuousBatcher(
-            self.new_batch,
-            self.config.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-            self.config.model_name,
-        )
+        self.max_rows = self.config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        self.reserved_cache = not self.is_encoder_decoder and ReservedCausalLMBatch.fits(model)
+        self.batcher = ContinuousBatcher(self.new_batch, self.max_rows, self.config.model_name)
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -250,6 +248,8 @@ class TransformersGenerator(GenerationBackend):
     def new_batch(self) -> DecodeBatch:
         """The model side of a new batch, for this model's kind."""
         if self.decoder_start_token_id is None:
+            if self.reserved_cache:
+                return ReservedCausalLMBatch(self.model, self.max_rows)
             return CausalLMBatch(self.model)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
 

@@ -25,6 +25,7 @@ from ..backends.tokenizing import TokenizingEncoder
 from ..backends.transformers_generation import TransformersGenerator
 from ..errors import NotReady, ServerError
 from ..generation.params import ChoiceDelta
+from ..generation.sequence import SequenceState
 from ..loading import freeze_loaded_heap
 from ..metrics import model_loaded
 from . import STOP_SIGNAL
@@ -70,6 +71,8 @@ class Engine:
         self.fronts: dict[bytes, int] = {}
         self.all_fronts = asyncio.Event()
         self.live: dict[Key, EncodeRequest | GenerateRequest] = {}
+        self.compiling: dict[Key, asyncio.Task[None]] = {}
+        """Generations whose grammar is being compiled, in a worker thread."""
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             Hello: self.hello,
             Encode: self.encode,
@@ -166,16 +169,45 @@ class Engine:
         backend.batcher.submit(request)
 
     def generate(self, peer: bytes, message: Generate) -> None:
-        backend = self.backend
-        key = (peer, message.id)
+        if message.params.constraint is None:
+            try:
+                rows = self.new_rows(message)
+            except ServerError as exc:
+                self.channel.send(failure(message.id, exc), peer)
+                return
+            self.start_generation(peer, message, rows)
+        else:  # a grammar is compiled and checked: not on the event loop
+            key = (peer, message.id)
+            self.compiling[key] = asyncio.create_task(self.generate_constrained(peer, message))
+
+    async def generate_constrained(self, peer: bytes, message: Generate) -> None:
+        """:meth:`generate` for a request whose rows compile a grammar (in a worker thread); an
+        abort meanwhile cancels it."""
         try:
-            if not self.loaded or not isinstance(backend, TransformersGenerator):
-                raise NotReady("the model is not loaded")
-            backend.check_request(message.prompt_ids, message.params, message.adapter)
-            rows = backend.new_sequences(message.prompt_ids, message.params, with_text=False)
+            rows = await asyncio.to_thread(self.new_rows, message)
         except ServerError as exc:
             self.channel.send(failure(message.id, exc), peer)
             return
+        except Exception as exc:  # the front waits for an answer: a 500 that names it
+            logger.exception("preparing a constrained generation failed")
+            self.channel.send(failure(message.id, exc), peer)
+            return
+        finally:
+            self.compiling.pop((peer, message.id), None)
+        self.start_generation(peer, message, rows)
+
+    def new_rows(self, message: Generate) -> list[SequenceState]:
+        """The request's rows, checked (token ids only: the front makes the text)."""
+        backend = self.backend
+        if not self.loaded or not isinstance(backend, TransformersGenerator):
+            raise NotReady("the model is not loaded")
+        backend.check_request(message.prompt_ids, message.params, message.adapter)
+        return backend.new_sequences(message.prompt_ids, message.params, with_text=False)
+
+    def start_generation(self, peer: bytes, message: Generate, rows: list[SequenceState]) -> None:
+        backend = self.backend
+        assert isinstance(backend, TransformersGenerator)  # new_rows checked it
+        key = (peer, message.id)
 
         def emit(item: list[ChoiceDelta] | BaseException | None) -> None:
             if item is None or isinstance(item, BaseException):
@@ -195,6 +227,10 @@ class Engine:
 
     def abort(self, peer: bytes, message: Abort) -> None:
         key = (peer, message.id)
+        if key in self.compiling:  # no rows yet: some choices cannot have ended
+            if message.choices is None:
+                self.compiling.pop(key).cancel()
+            return
         request = self.live.get(key)
         if isinstance(request, GenerateRequest) and message.choices is not None:
             for index in message.choices:

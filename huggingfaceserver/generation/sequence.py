@@ -1,20 +1,22 @@
 """One choice being generated, row by row: its settings, random generator, tokens, text and
 finish state, and the step that turns a batch of rows' logits into their next tokens.
 
-Backend-neutral torch: the rows of one decode batch may belong to different requests.
+Backend-neutral torch: the rows of one decode batch may belong to different requests, and a
+problem of one row (its settings, its logits, its grammar, its text) fails that row alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import llguidance
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .constraints import GrammarMatcher
 from .detokenize import IncrementalDetokenizer
 from .logits import choose_next_tokens
 from .params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+from .penalties import PenaltyCounts
 
 
 @dataclass(eq=False)
@@ -78,15 +80,22 @@ class SequenceState:
     aborted: bool = False
     """Set from another thread when whoever makes the text ended the choice (a stop string):
     the row leaves the batch after the current step."""
-    matcher: llguidance.LLMatcher | None = None
+    matcher: GrammarMatcher | None = None
     """Structured output: the grammar the row's tokens must follow (None: unconstrained)."""
+    penalties: PenaltyCounts | None = None
+    """The row's tokens as its penalties see them, kept up to date token by token; made on
+    the row's first step, and only when its params ask for a penalty."""
 
     def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
-        """Take the next token; the delta it makes, with the finish reason when it ends."""
+        """Take the next token; the delta it makes, with the finish reason when it ends.
+
+        Raises what fails the row: a :class:`~..errors.BadRequest` when the token breaks the
+        row's grammar, whatever making its text raises.
+        """
         self.output_ids.append(token_id)
         ended: FinishReason | None = None
         if self.matcher is not None:
-            self.matcher.consume_token(token_id)
+            self.matcher.consume(token_id)
         if token_id in self.stop_ids:  # a finished grammar allows only these
             ended = "stop"
         elif len(self.output_ids) >= self.budget:
@@ -100,7 +109,20 @@ class SequenceState:
         return ChoiceDelta(self.index, text, [token_id], logprobs, self.finish_reason)
 
 
-def advance(rows: list[SequenceState], logits: torch.Tensor) -> list[ChoiceDelta]:
-    """Choose each row's next token from its logits ``[rows, vocab]``; their deltas."""
-    tokens, logprobs = choose_next_tokens(logits, rows)
-    return [row.append(token, lp) for row, token, lp in zip(rows, tokens, logprobs, strict=True)]
+def advance(rows: list[SequenceState], logits: torch.Tensor) -> list[ChoiceDelta | Exception]:
+    """Choose each row's next token from its logits ``[rows, vocab]``: per row, its delta, or
+    the exception that failed that row (its settings, logits, grammar or text; see
+    :class:`~.logits.NextTokens`). Nothing a row does raises here, and the other rows' tokens
+    are those they would have had without the failed ones; only a batch-level mistake (logits
+    for another number of rows) raises."""
+    tokens, logprobs, failures = choose_next_tokens(logits, rows)
+    outcomes: list[ChoiceDelta | Exception] = []
+    for index, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+        if token is None:
+            outcomes.append(failures[index])
+            continue
+        try:
+            outcomes.append(row.append(token, logprobs[index]))
+        except Exception as exc:  # this row's failure, not the batch's
+            outcomes.append(exc)
+    return outcomes

@@ -316,7 +316,9 @@ async def test_a_failing_prefill_fails_only_its_request(backends) -> None:
     assert results[0] == [expected]
 
 
-async def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(backends) -> None:
+async def test_a_step_that_fails_once_is_retried_apart_and_every_request_goes_on(
+    backends, caplog
+) -> None:
     backend = backends("llama")
     failed = threading.Event()
 
@@ -326,18 +328,47 @@ async def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(backends) -> 
             raise RuntimeError("out of memory")
 
     requests = [(prompt(backend, text), GREEDY) for text in PROMPTS[:2]]
+    expected = await alone(backend, requests)
     hook = backend.model.register_forward_pre_hook(fail_once_while_decoding, with_kwargs=True)
     try:
         with slow_forward(backend):
-            results = await asyncio.gather(
-                *(run(backend, *r) for r in requests), return_exceptions=True
-            )
+            results = await asyncio.gather(*(run(backend, *r) for r in requests))
     finally:
         hook.remove()
     assert failed.is_set()
-    assert all(isinstance(result, RuntimeError) for result in results)
-    (choice,) = await run(backend, *requests[0])
-    assert choice.token_ids == reference_greedy(backend, requests[0][0], 16)
+    assert "retrying each apart" in caplog.text
+    assert tokens(results) == tokens(expected)
+
+
+async def test_a_request_whose_rows_break_the_model_fails_alone(backends) -> None:
+    """Every forward that holds the long request's rows past its 3rd token fails: that request
+    fails, the others (admitted with it, decoded in one batch) match their solo outputs."""
+    backend = backends("llama")
+    long_ids = prompt(backend, PROMPTS[2]) * 2
+    others = [(prompt(backend, text), GREEDY) for text in PROMPTS[:2]]
+    assert all(len(ids) + 16 < len(long_ids) for ids, _ in others)
+    expected = await alone(backend, others)
+
+    def fail_past_the_long_prompt(_module, _args, kwargs) -> None:
+        if int(kwargs["position_ids"].max()) >= len(long_ids) + 3:
+            raise RuntimeError("this request breaks the model")
+
+    hook = backend.model.register_forward_pre_hook(fail_past_the_long_prompt, with_kwargs=True)
+    try:
+        with slow_forward(backend), forward_batch_sizes(backend) as sizes:
+            async with admitted_together(backend):
+                runs = [
+                    asyncio.ensure_future(run(backend, *r))
+                    for r in [others[0], (long_ids, GREEDY), others[1]]
+                ]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+    finally:
+        hook.remove()
+    assert max(sizes) == 3  # they did share a batch
+    assert isinstance(results[1], RuntimeError)
+    assert tokens([results[0], results[2]]) == tokens(expected)
+    (choice,) = await run(backend, *others[0])  # the loop goes on
+    assert choice.token_ids == expected[0][0].token_ids
 
 
 async def test_sequence_to_sequence_requests_run_concurrently(backends) -> None:

@@ -1,6 +1,6 @@
-"""The engine and a front's client in one process: :class:`Engine` serves a tiny encoder on an
-``ipc://`` socket from a thread with its own event loop, :class:`EngineClient` talks to it from
-the test's loop, exactly as a front process does over the same socket."""
+"""The engine and a front's client in one process: :class:`Engine` serves a tiny encoder or
+generator on an ``ipc://`` socket from a thread with its own event loop, :class:`EngineClient`
+talks to it from the test's loop, exactly as a front process does over the same socket."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +18,17 @@ from typing import Any
 import pytest
 
 import huggingfaceserver.engine.process as engine_process
-from huggingfaceserver.backends.base import EncoderBackend
+from huggingfaceserver import server
+from huggingfaceserver.backends.base import EncoderBackend, GenerationBackend
+from huggingfaceserver.backends.continuous_batching import Request as GenerateRequest
+from huggingfaceserver.backends.engine import EngineGenerator
+from huggingfaceserver.backends.transformers_generation import TransformersGenerator
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.engine.client import EngineClient
+from huggingfaceserver.engine.client import DeltaQueue, EngineClient
 from huggingfaceserver.engine.messages import Abort
 from huggingfaceserver.engine.process import Engine
-from huggingfaceserver.errors import StartupError
+from huggingfaceserver.errors import ServerError, StartupError
+from huggingfaceserver.generation.params import ChoiceDelta, Constraint, SamplingParams
 from huggingfaceserver.server import engine_local_backend
 
 DEADLINE_S = 15.0
@@ -60,9 +66,24 @@ def engine_backend(path: Path, *flags: str) -> EncoderBackend:
     return backend
 
 
+def engine_generator(path: Path) -> TransformersGenerator:
+    """The generation backend an engine process builds for this model (not loaded)."""
+    backend = engine_local_backend(
+        parse_args(["--model_dir", str(path), "--backend", "huggingface"])
+    )
+    assert isinstance(backend, TransformersGenerator)
+    return backend
+
+
 @contextmanager
-def engine_thread(backend: EncoderBackend, address: str) -> Iterator[EngineThread]:
+def engine_thread(
+    backend: EncoderBackend | GenerationBackend, address: str, executor: Executor | None = None
+) -> Iterator[EngineThread]:
+    """``executor``: the engine loop's worker threads (``asyncio.to_thread``), if not the
+    default pool."""
     loop = asyncio.new_event_loop()
+    if executor is not None:
+        loop.set_default_executor(executor)
     engine = Engine(backend, address, fronts=1)
     running = EngineThread(engine, loop, threading.Thread(target=lambda: None))
     stop_known = threading.Event()
@@ -72,7 +93,7 @@ def engine_thread(backend: EncoderBackend, address: str) -> Iterator[EngineThrea
         running.stops.append(callback)
         stop_known.set()
 
-    loop.add_signal_handler = add_signal_handler  # type: ignore[method-assign]
+    loop.add_signal_handler = add_signal_handler  # type: ignore[method-assign, assignment]
 
     def run() -> None:
         try:
@@ -276,3 +297,197 @@ async def test_a_client_closes_at_once(tiny_models, tmp_path):
     ):
         await ready(client)
         assert close_in_time(client, 5.0), "EngineClient.close() still blocked after 5 s"
+
+
+CHOICES = ("red", "green")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+CHOSEN = SamplingParams(
+    temperature=0.0, max_tokens=8, constraint=Constraint("choice", json.dumps(CHOICES))
+)
+
+
+@dataclass
+class HeldChecks:
+    """Constrained requests' checks (where their grammar compiles), held until ``gate``."""
+
+    entered: threading.Event = field(default_factory=threading.Event)
+    gate: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    """The threads that checked a constrained request."""
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, DEADLINE_S), "no compile started"
+
+
+def hold_constrained_checks(
+    monkeypatch: pytest.MonkeyPatch, backend: TransformersGenerator | EngineGenerator
+) -> HeldChecks:
+    """Hold ``backend.check_request``, which compiles a constrained request's grammar, for
+    constrained requests until the returned gate is set; unconstrained ones pass."""
+    held = HeldChecks()
+    check = backend.check_request
+
+    def held_check(
+        prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
+        if params.constraint is not None:
+            held.threads.append(threading.current_thread())
+            held.entered.set()
+            assert held.gate.wait(DEADLINE_S), "the test never released the compile"
+        check(prompt_ids, params, adapter)
+
+    monkeypatch.setattr(backend, "check_request", held_check)
+    return held
+
+
+async def collected(queue: DeltaQueue) -> list[ChoiceDelta]:
+    """A one-choice generation's deltas from the engine until it finishes; a failure raises."""
+    deltas: list[ChoiceDelta] = []
+    while (item := await asyncio.wait_for(queue.get(), DEADLINE_S)) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        deltas += item
+    return deltas
+
+
+def token_ids(deltas: list[ChoiceDelta]) -> list[int]:
+    return [token_id for delta in deltas for token_id in delta.token_ids]
+
+
+def chosen_text(backend: TransformersGenerator, deltas: list[ChoiceDelta]) -> str:
+    """The text of a ``CHOSEN`` generation's tokens, its finish checked."""
+    assert deltas[-1].finish_reason == "stop"
+    text = backend.tokenizer.decode(token_ids(deltas), skip_special_tokens=True)
+    assert isinstance(text, str)
+    return text
+
+
+def prompt_of(backend: TransformersGenerator | EngineGenerator) -> list[int]:
+    return backend.tokenizer("My favourite colour is")["input_ids"]
+
+
+async def test_a_compiling_grammar_holds_up_no_other_request(tiny_models, tmp_path, monkeypatch):
+    """A constrained request's grammar compiles in a worker thread: while it is held there,
+    the engine's loop serves an unconstrained generation sent after it (the tokens it gives
+    alone) and an abort of an unknown request; released, the constrained request ends with
+    one of its choices."""
+    backend = engine_generator(tiny_models["llama"])
+    held = hold_constrained_checks(monkeypatch, backend)
+    with (
+        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        await ready(client)
+        prompt = prompt_of(backend)
+        _, alone = client.generate(prompt, GREEDY, None)
+        expected = token_ids(await collected(alone))
+        _, constrained = client.generate(prompt, CHOSEN, None)
+        await held.wait_entered()
+        assert len(running.engine.compiling) == 1
+        client.channel.send(Abort(12345))
+        _, meanwhile = client.generate(prompt, GREEDY, None)
+        assert token_ids(await collected(meanwhile)) == expected
+        assert constrained.empty() and len(running.engine.compiling) == 1
+        held.gate.set()
+        assert chosen_text(backend, await collected(constrained)) in CHOICES
+        assert held.threads and running.thread not in held.threads
+        assert running.engine.compiling == {}
+        assert running.engine.live == {}
+
+
+async def test_an_abort_while_compiling_drops_the_request(tiny_models, tmp_path, monkeypatch):
+    """An abort that arrives while the request's grammar compiles cancels it: once the
+    compile ends, its rows never join the decode loop, and the engine serves on."""
+    backend = engine_generator(tiny_models["llama"])
+    held = hold_constrained_checks(monkeypatch, backend)
+    # one worker thread: a compile that follows the aborted one ends after it, so once its
+    # request is served, whatever the aborted compile's end set off on the loop has run
+    executor = ThreadPoolExecutor(1, thread_name_prefix="engine-worker")
+    with (
+        engine_thread(backend, f"ipc://{tmp_path}/engine.sock", executor) as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        await ready(client)
+        submitted: list[GenerateRequest] = []
+        submit = backend.batcher.submit
+
+        def recorded(request: GenerateRequest) -> None:
+            submitted.append(request)
+            submit(request)
+
+        monkeypatch.setattr(backend.batcher, "submit", recorded)
+        prompt = prompt_of(backend)
+        aborted_id, aborted = client.generate(prompt, CHOSEN, None)
+        await held.wait_entered()
+        client.abort(aborted_id)
+        await until(lambda: not running.engine.compiling, "the abort cancels the compile")
+        held.gate.set()
+        _, after = client.generate(prompt, CHOSEN, None)
+        assert chosen_text(backend, await collected(after)) in CHOICES
+        assert len(submitted) == 1, "the aborted request's rows reached the decode loop"
+        assert len(held.threads) == 2  # both compiled: the aborted one's too, then dropped
+        _, unconstrained = client.generate(prompt, GREEDY, None)
+        assert token_ids(await collected(unconstrained))
+        assert aborted.empty()
+        assert running.engine.compiling == {}
+        assert running.engine.live == {}
+        assert client.waiting == {}
+
+
+async def test_an_invalid_grammar_fails_its_request_with_a_400(tiny_models, tmp_path):
+    backend = engine_generator(tiny_models["llama"])
+    invalid = SamplingParams(temperature=0.0, constraint=Constraint("regex", "("))
+    with (
+        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        await ready(client)
+        prompt = prompt_of(backend)
+        _, failing = client.generate(prompt, invalid, None)
+        with pytest.raises(ServerError, match="invalid regex") as caught:
+            await collected(failing)
+        assert caught.value.status_code == 400
+        assert running.engine.compiling == {}
+        _, unconstrained = client.generate(prompt, GREEDY, None)
+        assert token_ids(await collected(unconstrained))
+        _, constrained = client.generate(prompt, CHOSEN, None)
+        assert chosen_text(backend, await collected(constrained)) in CHOICES
+        assert running.engine.live == {}
+
+
+async def all_deltas(deltas: AsyncIterator[list[ChoiceDelta]]) -> list[ChoiceDelta]:
+    return [delta for step in [step async for step in deltas] for delta in step]
+
+
+async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path, monkeypatch):
+    """A front's :class:`EngineGenerator` compiles a constrained request's grammar (its 400
+    check) in a worker thread: while that is held, the front's loop runs other tasks."""
+    path = tiny_models["llama"]
+    config = parse_args(["--model_dir", str(path), "--backend", "huggingface"])
+    with (
+        engine_thread(engine_generator(path), f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        source, _ = server.locate(config, vllm=False)
+        front = server.engine_backend(source, config, client)
+        assert isinstance(front, EngineGenerator)
+        await front.connect()
+        await asyncio.to_thread(front.load)
+        held = hold_constrained_checks(monkeypatch, front)
+        generation = asyncio.create_task(all_deltas(front.generate(prompt_of(front), CHOSEN)))
+        await held.wait_entered()
+        other = asyncio.Event()
+
+        async def other_task() -> None:
+            other.set()
+
+        setter = asyncio.create_task(other_task())
+        await asyncio.wait_for(other.wait(), DEADLINE_S)
+        await setter
+        assert not generation.done()
+        assert client.waiting == {}  # not sent to the engine before it is checked
+        held.gate.set()
+        deltas = await asyncio.wait_for(generation, DEADLINE_S)
+        assert "".join(delta.text for delta in deltas) in CHOICES
+        assert deltas[-1].finish_reason == "stop"
+        assert held.threads and threading.current_thread() not in held.threads

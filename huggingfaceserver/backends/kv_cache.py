@@ -1,0 +1,267 @@
+"""A KV cache reserved ahead: decode steps write into place instead of copying the cache.
+
+transformers' :class:`~transformers.DynamicCache` concatenates every step's keys and values to
+the cache (``torch.cat``): each step copies the whole cache, O(n²) memory traffic over an
+answer, the larger part of a long answer's cost on a small model. :class:`ReservedCache` keeps
+each layer's keys and values in buffers of ``rows x heads x columns x head_dim`` reserved ahead
+(grown by half again when full: amortised O(1) per token) and hands the attention a view of the
+columns in use. Every row shares the column axis: a row's tokens end at the last column, and
+the columns before its first token are padding, hidden by :attr:`ReservedCache.mask` (the 2-D
+attention mask the model takes), so rows of requests that started at different times step
+together, each with its own positions.
+
+Admitting a request writes its rows into free rows of the buffers (:meth:`ReservedCache.absorb`),
+right-aligned to the last column: the running rows are not copied. Only a prompt longer than the
+columns in use moves them (and a full buffer, when it grows). Rows that finish are dropped by
+moving the kept ones up (:meth:`ReservedCache.select_rows`), once per finish, not per step.
+
+This is the layout a compiled or CUDA-graphed decode step needs later (buffers of fixed shape,
+written in place, a mask marking what they hold); here the buffers still grow, in large steps.
+
+Through transformers' public cache API: a :class:`~transformers.cache_utils.Cache` of
+:class:`ReservedLayer` (a :class:`~transformers.cache_utils.CacheLayerMixin`); the model calls
+``update`` per layer as with any cache. The column geometry is the cache's: the batch
+:meth:`~ReservedCache.reserve`\\ s the columns of a forward before running it and
+:meth:`~ReservedCache.advance`\\ s past them after, so a forward that fails leaves the cache as
+it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+MIN_GROWTH = 256
+"""Columns (and at least half again the columns in use) added when a buffer is full."""
+
+
+def full_attention_only(config: PretrainedConfig) -> bool:
+    """Whether the model's cache is plain full attention in every layer (what transformers'
+    own cache for it would hold), the layout :class:`ReservedCache` implements. Sliding-window,
+    linear-attention and KV-sharing layers keep transformers' own cache."""
+    layers = DynamicCache(config=config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def num_cache_layers(config: PretrainedConfig) -> int:
+    return len(DynamicCache(config=config).layers)
+
+
+class ReservedLayer(CacheLayerMixin):
+    """One layer's keys and values, in buffers whose rows and columns are the cache's."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: ReservedCache):
+        super().__init__()
+        self.cache = cache
+        self.key_buffer = torch.empty(0)
+        self.value_buffer = torch.empty(0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        shape = self.cache.buffer_shape(key_states)
+        self.key_buffer = key_states.new_zeros(shape)
+        self.value_buffer = value_states.new_zeros(self.cache.buffer_shape(value_states))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's keys and values at the reserved columns; the columns in use up
+        to them (a view, not a copy)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache = self.cache
+        rows, end = cache.rows, cache.end
+        if key_states.shape[0] != rows or end + key_states.shape[-2] > cache.column_capacity:
+            raise ValueError(
+                f"{key_states.shape[0]} rows x {key_states.shape[-2]} tokens do not fit the "
+                f"reserved {rows} rows x {cache.column_capacity - end} columns"
+            )
+        stop = end + key_states.shape[-2]
+        self.key_buffer[:rows, :, end:stop] = key_states
+        self.value_buffer[:rows, :, end:stop] = value_states
+        self.keys = self.key_buffer[:rows, :, cache.start : stop]
+        self.values = self.value_buffer[:rows, :, cache.start : stop]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.end - self.cache.start + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.end - self.cache.start
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def relayout(self, rows: int, offset: int) -> None:
+        """Move the first ``rows`` rows' columns in use into buffers of the cache's current
+        capacity, starting at column ``offset``; the other cells are zero."""
+        if not self.is_initialized:
+            return
+        cache = self.cache
+        span = cache.end - cache.start
+        moved = []
+        for old in self.buffers():
+            new = old.new_zeros(
+                (cache.row_capacity, old.shape[1], cache.column_capacity, old.shape[3])
+            )
+            new[:rows, :, offset : offset + span] = old[:rows, :, cache.start : cache.end]
+            moved.append(new)
+        self.key_buffer, self.value_buffer = moved
+        self.keys = self.values = None  # views of the old buffers, set again by `update`
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_buffer, self.value_buffer
+
+
+class ReservedCache(Cache):
+    """The KV cache of a batch of rows, reserved ahead (see the module's docstring).
+
+    Columns ``start:end`` are in use; :attr:`mask` says which of them hold each row's tokens.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, device: torch.device):
+        self.max_rows = max_rows
+        self.device = device
+        self.rows = 0
+        self.start = 0
+        self.end = 0
+        self.row_capacity = 0
+        self.column_capacity = 0
+        self.mask_buffer = torch.zeros(0, 0, dtype=torch.long, device=device)
+        super().__init__(layers=[ReservedLayer(self) for _ in range(num_layers)])
+
+    @property
+    def reserved_layers(self) -> list[ReservedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, ReservedLayer)]
+
+    def buffer_shape(self, states: torch.Tensor) -> tuple[int, int, int, int]:
+        return (self.row_capacity, states.shape[1], self.column_capacity, states.shape[3])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[rows, columns in use]``: 1 where a row holds a token, 0 for its left padding."""
+        return self.mask_buffer[: self.rows, self.start : self.end]
+
+    def reserve(self, tokens: int, rows: int | None = None) -> torch.Tensor:
+        """Room for a forward of ``tokens`` new tokens per row (of ``rows`` rows, for the first
+        forward); the attention mask it takes (the columns in use and the new ones, which hold
+        tokens in every row)."""
+        if rows is not None:
+            if self.end > self.start:
+                raise ValueError("rows are set by the first forward only")
+            self._fit(rows, self.end + tokens)
+            self.rows = rows
+        self._fit(self.rows, self.end + tokens)
+        self.mask_buffer[: self.rows, self.end : self.end + tokens] = 1
+        return self.mask_buffer[: self.rows, self.start : self.end + tokens]
+
+    def advance(self, tokens: int) -> None:
+        """The reserved columns now hold the forward's keys and values."""
+        self.end += tokens
+
+    def _fit(self, rows: int, stop: int, move_to: int | None = None) -> None:
+        """Buffers of at least ``rows`` rows and columns up to ``stop``; with ``move_to``, the
+        columns in use move to start at that column. Full buffers are replaced by larger ones
+        (by half again at least), the columns in use moved to the front."""
+        if move_to is None and rows <= self.row_capacity and stop <= self.column_capacity:
+            return
+        if rows > self.row_capacity:
+            self.row_capacity = max(rows, min(2 * self.row_capacity, self.max_rows))
+        width = self.end - self.start
+        if move_to is None:
+            move_to, stop = 0, stop - self.start
+        stop = max(stop, move_to + width)
+        if stop > self.column_capacity:
+            self.column_capacity = stop + max(stop // 2, MIN_GROWTH)
+        for layer in self.reserved_layers:
+            layer.relayout(self.rows, move_to)
+        mask = torch.zeros(
+            self.row_capacity, self.column_capacity, dtype=torch.long, device=self.device
+        )
+        held = self.mask_buffer[: self.rows, self.start : self.end]
+        mask[: self.rows, move_to : move_to + width] = held
+        self.mask_buffer = mask
+        self.start, self.end = move_to, move_to + width
+
+    def select_rows(self, indices: Sequence[int]) -> None:
+        """Keep these rows (by position, maybe repeated), in this order, as rows ``0..``."""
+        if list(indices) == list(range(len(indices))):
+            self.rows = len(indices)
+            return
+        self._fit(len(indices), self.end)
+        index = torch.tensor(list(indices), device=self.device)
+        columns = slice(self.start, self.end)
+        for layer in self.reserved_layers:
+            if layer.is_initialized:
+                for buffer in layer.buffers():
+                    buffer[: len(indices), :, columns] = buffer[index, :, columns]
+        self.mask_buffer[: len(indices), columns] = self.mask_buffer[index, columns]
+        self.rows = len(indices)
+
+    def trim(self) -> None:
+        """Stop using the leading columns that are padding in every row (no copy)."""
+        held = self.mask.any(dim=0)
+        if held.numel():
+            self.start += int(held.int().argmax())
+
+    def absorb(self, other: ReservedCache) -> None:
+        """Take ``other``'s rows after this cache's own, their tokens ending at the same last
+        column; only a prompt wider than the columns in use (or full buffers) moves the rows
+        already here."""
+        width, theirs = self.end - self.start, other.end - other.start
+        rows = self.rows + other.rows
+        if theirs > width:  # more columns in use, to the left of the current ones
+            if self.start >= theirs - width:
+                self._clear(slice(0, self.rows), slice(self.end - theirs, self.start))
+                self.start = self.end - theirs
+            else:
+                self._fit(rows, theirs, move_to=theirs - width)
+                self.start = 0
+        self._fit(rows, self.end)
+        new_rows = slice(self.rows, rows)
+        self._clear(new_rows, slice(self.start, self.end - theirs))
+        columns = slice(self.end - theirs, self.end)
+        for mine, their in zip(self.reserved_layers, other.reserved_layers, strict=True):
+            if not (mine.is_initialized and their.is_initialized):
+                raise ValueError("caches merge only after their first forward")
+            for buffer, source in zip(mine.buffers(), their.buffers(), strict=True):
+                buffer[new_rows, :, columns] = source[: other.rows, :, other.start : other.end]
+        self.mask_buffer[new_rows, columns] = other.mask
+        self.rows = rows
+
+    def _clear(self, rows: slice, columns: slice) -> None:
+        """Zero these cells: a row's padding must hold finite numbers (a masked NaN would still
+        reach the attention's output through ``0 * NaN``)."""
+        if columns.start >= columns.stop:
+            return
+        for layer in self.reserved_layers:
+            if layer.is_initialized:
+                for buffer in layer.buffers():
+                    buffer[rows, :, columns] = 0
+        self.mask_buffer[rows, columns] = 0
+
+    def take_rows(self, indices: Sequence[int]) -> ReservedCache:
+        """A new cache holding copies of these rows (the others stay here untouched)."""
+        taken = ReservedCache(len(self.layers), self.max_rows, self.device)
+        width = self.end - self.start
+        taken.row_capacity, taken.column_capacity = len(indices), width + MIN_GROWTH
+        taken.rows, taken.end = len(indices), width
+        index = torch.tensor(list(indices), device=self.device)
+        columns = slice(self.start, self.end)
+        taken.mask_buffer = self.mask_buffer.new_zeros(taken.row_capacity, taken.column_capacity)
+        taken.mask_buffer[:, :width] = self.mask_buffer[index, columns]
+        for mine, theirs in zip(self.reserved_layers, taken.reserved_layers, strict=True):
+            if mine.is_initialized:
+                keys, values = (buffer[index, :, columns] for buffer in mine.buffers())
+                theirs.lazy_initialization(keys, values)
+                theirs.key_buffer[:, :, :width] = keys
+                theirs.value_buffer[:, :, :width] = values
+        return taken

@@ -1,0 +1,225 @@
+"""The reserved KV cache: every row's logits equal those of transformers' own cache (the model
+run alone, as ``generate`` runs it), across buffer growth, requests joining wider and narrower
+than the batch, rows leaving, splits and a forward that fails; steps and admissions write in
+place instead of copying the running rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from huggingfaceserver.backends import kv_cache
+from huggingfaceserver.backends.decode_batch import CausalLMBatch, ReservedCausalLMBatch
+from huggingfaceserver.backends.kv_cache import ReservedCache, full_attention_only
+
+from .generation_helpers import PROMPTS, prompt
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+PADDED = {"atol": 1e-4, "rtol": 1e-4}
+"""float32 sums over a padded batch in another order: the tolerance the decode loop's tests give
+logprobs."""
+
+
+@pytest.fixture(autouse=True)
+def small_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers grow by 3 columns at least, so that a few steps cross their capacity."""
+    monkeypatch.setattr(kv_cache, "MIN_GROWTH", 3)
+
+
+def tokens(count: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Alone:
+    """One request's rows on transformers' own cache: the reference."""
+
+    def __init__(self, backend, prompt_ids: list[int], rows: int = 1):
+        self.batch = CausalLMBatch(backend.model)
+        self.first, _ = self.batch.prefill(prompt_ids, rows)
+
+    def step(self, column: list[int]) -> torch.Tensor:
+        return self.batch.step(column)
+
+
+def reserved(backend, max_rows: int = 16) -> ReservedCausalLMBatch:
+    return ReservedCausalLMBatch(backend.model, max_rows)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_steps_equal_transformers_cache_across_growth(backends, name: str) -> None:
+    backend = backends(name)
+    ids = prompt(backend, PROMPTS[1])
+    feed = tokens(40, backend.vocab_size, 0)
+    with torch.inference_mode():
+        alone, batch = Alone(backend, ids, rows=2), reserved(backend)
+        first, _ = batch.prefill(ids, 2)
+        torch.testing.assert_close(first, alone.first, **TOLERANCE)
+        grown = 0
+        buffer = batch.cache.reserved_layers[0].key_buffer
+        for token in feed:
+            want = alone.step([token, token])
+            torch.testing.assert_close(batch.step([token, token]), want, **TOLERANCE)
+            now = batch.cache.reserved_layers[0].key_buffer
+            grown += now is not buffer
+            buffer = now
+    assert batch.cache.get_seq_length() == len(ids) + len(feed)
+    assert 1 <= grown <= 6  # by half again each time: a few growths, not one per step
+
+
+def test_a_step_writes_in_place(backends) -> None:
+    backend = backends("llama")
+    with torch.inference_mode():
+        batch = reserved(backend)
+        batch.prefill(prompt(backend), 1)
+        layer = batch.cache.reserved_layers[0]
+        room = batch.cache.column_capacity - batch.cache.end
+        assert room >= 3
+        pointer = layer.key_buffer.data_ptr()
+        for token in tokens(room, backend.vocab_size, 1):
+            batch.step([token])
+            assert layer.key_buffer.data_ptr() == pointer
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("joining_first", [False, True], ids=["narrower", "wider"])
+def test_requests_that_join_step_as_they_would_alone(backends, name, joining_first) -> None:
+    """A request joins a batch that ran a while: its prompt fits in the columns in use
+    (narrower) or needs more (wider, the running rows move); then the first request leaves."""
+    backend = backends(name)
+    short, long = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2])
+    running_ids, joining_ids = (short, long * 3) if joining_first else (long, short)
+    warm, feed = tokens(3, backend.vocab_size, 2), tokens(8, backend.vocab_size, 3)
+    with torch.inference_mode():
+        running_alone, batch = Alone(backend, running_ids), reserved(backend)
+        batch.prefill(running_ids, 1)
+        for token in warm:
+            running_alone.step([token])
+            batch.step([token])
+        joining_alone, joining = Alone(backend, joining_ids, rows=2), reserved(backend)
+        joining.prefill(joining_ids, 2)
+        assert batch.absorb(joining)
+        assert batch.cache.rows == 3
+        for step, token in enumerate(feed):
+            got = batch.step([token, feed[-1 - step], feed[-1 - step]])
+            torch.testing.assert_close(got[:1], running_alone.step([token]), **PADDED)
+            want = joining_alone.step([feed[-1 - step]] * 2)
+            torch.testing.assert_close(got[1:], want, **PADDED)
+        batch.keep([1, 2])  # the first request finished: its padding-only columns go
+        assert bool(batch.cache.mask.all())
+        assert batch.cache.get_seq_length() == len(joining_ids) + len(feed)
+        for token in feed:
+            torch.testing.assert_close(
+                batch.step([token, token]), joining_alone.step([token, token]), **PADDED
+            )
+
+
+def test_a_request_that_joins_does_not_copy_the_running_rows(backends) -> None:
+    backend = backends("llama")
+    with torch.inference_mode():
+        batch = reserved(backend)
+        batch.prefill(prompt(backend, PROMPTS[2]), 1)
+        batch.step([5])
+        for text in PROMPTS[:2]:  # the row capacity grows, by doubling: to 2, then 4
+            earlier = reserved(backend)
+            earlier.prefill(prompt(backend, text), 1)
+            batch.absorb(earlier)
+        assert batch.cache.row_capacity == 4
+        layer = batch.cache.reserved_layers[0]
+        pointer = layer.key_buffer.data_ptr()
+        running = layer.key_buffer[:3].clone()
+        joining = reserved(backend)
+        joining.prefill(prompt(backend, PROMPTS[1]), 1)
+        assert batch.absorb(joining)
+    assert layer.key_buffer.data_ptr() == pointer
+    assert torch.equal(layer.key_buffer[:3], running)
+
+
+def test_rows_left_by_a_failed_request_leave_nothing_behind(backends) -> None:
+    """A row that left may have held NaN (a model broken by its input): the row that takes
+    its place computes from finite padding."""
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[2])
+    with torch.inference_mode():
+        batch = reserved(backend)
+        batch.prefill(ids, 2)
+        batch.step([3, 3])
+        for layer in batch.cache.reserved_layers:
+            for buffer in layer.buffers():
+                buffer[1].fill_(float("nan"))
+        batch.keep([0])
+        short = prompt(backend, PROMPTS[0])
+        joining_alone, joining = Alone(backend, short), reserved(backend)
+        joining.prefill(short, 1)
+        assert batch.absorb(joining)
+        got = batch.step([4, 4])
+    torch.testing.assert_close(got[1:], joining_alone.step([4]), **PADDED)
+
+
+def test_a_failed_forward_leaves_the_batch_as_it_was(backends) -> None:
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[1])
+    feed = tokens(4, backend.vocab_size, 4)
+
+    def fail(*_args, **_kwargs) -> None:
+        raise RuntimeError("out of memory")
+
+    with torch.inference_mode():
+        alone, batch = Alone(backend, ids), reserved(backend)
+        batch.prefill(ids, 1)
+        layer = backend.model.model.layers[-1]  # the cache of the other layers is written
+        hook = layer.register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(RuntimeError):
+                batch.step([feed[0]])
+        finally:
+            hook.remove()
+        for token in feed:
+            torch.testing.assert_close(batch.step([token]), alone.step([token]), **TOLERANCE)
+
+
+def test_split_rows_step_as_they_would_alone(backends) -> None:
+    backend = backends("llama")
+    prompts = [prompt(backend, text) for text in PROMPTS]
+    feed = tokens(5, backend.vocab_size, 5)
+    with torch.inference_mode():
+        alone = [Alone(backend, ids) for ids in prompts]
+        batch = reserved(backend)
+        batch.prefill_together(prompts, [1, 1, 1])
+        batch.step(feed[:3])
+        for i, row in enumerate(alone):
+            row.step([feed[i]])
+        taken = batch.split([0, 2])
+        assert (batch.cache.rows, taken.cache.rows) == (1, 2)
+        for token in feed:
+            torch.testing.assert_close(
+                taken.step([token, token]),
+                torch.cat([alone[0].step([token]), alone[2].step([token])]),
+                **PADDED,
+            )
+            torch.testing.assert_close(batch.step([token]), alone[1].step([token]), **PADDED)
+
+
+def test_only_plain_full_attention_models_use_the_reserved_cache(backends) -> None:
+    backend = backends("llama")
+    assert full_attention_only(backend.model.config)
+    assert isinstance(backend.new_batch(), ReservedCausalLMBatch)
+    sliding = backend.model.config.__class__(
+        **{
+            **backend.model.config.to_dict(),
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 4,
+        }
+    )
+    assert not all(
+        type(layer).__name__ == "DynamicLayer" for layer in DynamicCache(config=sliding).layers
+    )
+    assert not full_attention_only(sliding)
+
+
+def test_the_cache_refuses_what_it_did_not_reserve() -> None:
+    cache = ReservedCache(1, 4, torch.device("cpu"))
+    cache.reserve(2, rows=1)
+    [layer] = cache.reserved_layers
+    with pytest.raises(ValueError, match="do not fit"):
+        layer.update(torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
