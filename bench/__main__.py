@@ -33,7 +33,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="cpu: the CPU workloads (default); cuda: the GPU workloads, on a GPU machine",
     )
     parser.add_argument("--quick", action="store_true", help="1 repeat, short runs (smoke test)")
-    parser.add_argument("--repeats", type=int, help="repeats per figure (default 3, GPU 2)")
+    parser.add_argument(
+        "--repeats", type=int, help="repeats per figure (default 3, GPU 2, long_output 2)"
+    )
     parser.add_argument("--duration", type=float, help="seconds per encoder run (default 10)")
     parser.add_argument(
         "--only",
@@ -72,7 +74,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         settings = QUICK if args.quick else Settings()
     settings = dataclasses.replace(settings, server_args=tuple(args.server_arg))
     if args.repeats is not None:
-        settings = dataclasses.replace(settings, repeats=args.repeats)
+        settings = dataclasses.replace(
+            settings, repeats=args.repeats, long_output_rounds=args.repeats
+        )
     if args.duration is not None:
         settings = dataclasses.replace(settings, duration_s=args.duration)
     return settings

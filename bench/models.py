@@ -8,7 +8,10 @@
   request generates exactly ``max_tokens`` tokens;
 - ``overhead``: a ``BertForSequenceClassification`` so small (2 layers, hidden 32) that its
   forward pass costs next to nothing, with MiniLM's tokenizer: what a request costs the server
-  around the model.
+  around the model;
+- ``long_llama``: a random ``LlamaForCausalLM`` so small (hidden 64, 2 layers) that decode
+  steps cost little, with 16,384 positions: long answers, where what grows with the output
+  (the server's per-token work, the cache) shows; the same tokenizer, EOS unreachable too.
 
 A folder's name carries its recipe version: a changed recipe builds a new folder.
 """
@@ -41,6 +44,7 @@ MINILM_TOKENIZER_FILES = (
     "vocab.txt",
 )
 LLAMA_CONTEXT = 256
+LONG_LLAMA_CONTEXT = 16384
 PENALTY = -1.0e4
 """Weight from the constant channel to an unreachable token's logit: far below the rest."""
 CONSTANT_CHANNEL = 0
@@ -148,20 +152,22 @@ def make_unreachable(model: LlamaForCausalLM, token_ids: list[int]) -> None:
         model.lm_head.weight[token_ids, channel] = PENALTY
 
 
-def build_llama(out_dir: Path) -> Path:
-    """A random Llama (hidden 512, 4 layers, 8 heads) with the tests' tokenizer, whose EOS
-    (and the other tokens of :func:`unreachable_tokens`) it never generates."""
+def save_llama(
+    out_dir: Path, context: int, hidden: int, intermediate: int, layers: int, heads: int
+) -> Path:
+    """A random Llama (seeded) of these dimensions with the tests' tokenizer, whose EOS (and
+    the other tokens of :func:`unreachable_tokens`) it never generates."""
     tokenizer = train_llama_tokenizer(out_dir)
-    tokenizer.model_max_length = LLAMA_CONTEXT
+    tokenizer.model_max_length = context
     tokenizer.save_pretrained(out_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=LLAMA_CONTEXT,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
@@ -171,6 +177,16 @@ def build_llama(out_dir: Path) -> Path:
     make_unreachable(model, unreachable_tokens(tokenizer))
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def build_llama(out_dir: Path) -> Path:
+    """The generation workloads' Llama: hidden 512, 4 layers, 8 heads, 256 positions."""
+    return save_llama(out_dir, LLAMA_CONTEXT, hidden=512, intermediate=1376, layers=4, heads=8)
+
+
+def build_long_llama(out_dir: Path) -> Path:
+    """The long-output Llama: hidden 64, 2 layers, 4 heads, 16,384 positions."""
+    return save_llama(out_dir, LONG_LLAMA_CONTEXT, hidden=64, intermediate=172, layers=2, heads=4)
 
 
 def built_once(out_dir: Path, build: Callable[[Path], Path]) -> Path:
@@ -201,6 +217,10 @@ class BenchModels:
     @cached_property
     def llama(self) -> Path:
         return built_once(self.cache / "llama-h512-l4-v2", build_llama)
+
+    @cached_property
+    def long_llama(self) -> Path:
+        return built_once(self.cache / "long-llama-h64-l2-v1", build_long_llama)
 
     @cached_property
     def overhead(self) -> Path:

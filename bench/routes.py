@@ -8,6 +8,7 @@ is wrong (EOS reachable?) and stops.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -147,3 +148,50 @@ def openai_completion_stream(
         return sample
 
     return call
+
+
+@dataclass(frozen=True)
+class StreamTrace:
+    """One streamed completion, chunk by chunk: when each chunk with text arrived (seconds
+    from the request), the usage's ``completion_tokens`` and the total time."""
+
+    latency_s: float
+    chunk_s: tuple[float, ...] = ()
+    usage_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_s[0] if self.chunk_s else float("nan")
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Seconds between consecutive chunks with text: inter-token latencies when each
+        chunk carries one token."""
+        return [later - earlier for earlier, later in itertools.pairwise(self.chunk_s)]
+
+
+async def traced_completion_stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> StreamTrace:
+    """``POST url`` (a streamed completion ``body``) with the arrival time of every chunk
+    that carries text; an unexpected answer is a trace with its error."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens: int | None = None
+    async with session.post(url, data=orjson.dumps(body), headers=JSON) as response:
+        if response.status != 200:
+            error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+            return StreamTrace(time.perf_counter() - start, error=error)
+        async for line in response.content:
+            event = _events(line)
+            if event is None:
+                continue
+            if "error" in event:
+                error = str(event["error"])[:200]
+                return StreamTrace(time.perf_counter() - start, tuple(arrivals), error=error)
+            if any(choice.get("text") for choice in event.get("choices", [])):
+                arrivals.append(time.perf_counter() - start)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return StreamTrace(time.perf_counter() - start, tuple(arrivals), tokens)

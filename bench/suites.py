@@ -169,6 +169,12 @@ def _variants(context: Context) -> Outcome:
     return variants.measure(context.models.minilm, context.settings, context.log_dir)
 
 
+def _long_output(context: Context) -> Outcome:
+    from . import long_output
+
+    return long_output.measure(context.models.long_llama, context.settings, context.log_dir)
+
+
 def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
 
@@ -196,6 +202,7 @@ SUITES = (
     Suite("peers", "cpu", _peers, _peers_unavailable),
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),
+    Suite("long_output", "cpu", _long_output),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
 )

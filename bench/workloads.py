@@ -78,6 +78,11 @@ class Settings:
     """Generation runs: requests per worker..."""
     generation_min_requests: int = 16
     """...and at least this many requests per run (for concurrency 1)."""
+    long_output_rounds: int = 2
+    """Long-output runs: rounds, each making every run under both layouts (about 4.5 minutes
+    a round on 2 cores; its own count: a third round would take the suite past 10 minutes)."""
+    long_output_tokens: tuple[int, int] = (12_000, 4_000)
+    """Long-output runs: ``max_tokens`` of the long stream alone and of the 8 long streams."""
     server_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra flags for every server (e.g. ``--disable_log_requests``)."""
 
@@ -93,6 +98,8 @@ QUICK = Settings(
     raw_texts=72,
     generation_rounds=1,
     generation_min_requests=4,
+    long_output_rounds=1,
+    long_output_tokens=(1_000, 500),
 )
 
 V1 = Route("V1 :predict", lambda url, name: routes.v1_predict(url, name, texts.SENTENCES))
