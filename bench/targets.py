@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .raw import EncoderCeiling, GenerationCeiling
 from .runner import ModeRuns, WorkloadResult
 from .summary import RunSummary, summarize
-from .workloads import BATCHING
+from .workloads import BATCHING, BATCHING_TWO_FRONTS
 
 ENCODER_SHARE = 0.85
 """Encoder at the loaded concurrency: at least this share of the best raw batched rate."""
@@ -74,20 +74,22 @@ def _health_target(name: str, busy: RunSummary) -> Target:
 
 
 def _generation_targets(result: WorkloadResult, ceiling: GenerationCeiling) -> Iterator[Target]:
-    batching = _batching(result)
-    if batching is None:
-        return
+    """The share of raw batched generate, in each process layout measured."""
     loaded = result.workload.loaded
     raw_rate = statistics.median(ceiling.rates[loaded])
-    for route in result.workload.routes:
-        busy = summarize(batching.runs[(route.label, loaded)], tokens=True)
-        share = busy.rate.median / raw_rate
-        yield Target(
-            f"{result.workload.key}, {route.label}: c={loaded} >= {GENERATION_SHARE:.0%} of "
-            f"raw generate at batch {loaded}",
-            share >= GENERATION_SHARE,
-            f"{busy.rate.median:.0f} tokens/s = {share:.0%} of {raw_rate:.0f} tokens/s",
-        )
+    for runs in result.modes:
+        if runs.mode not in (BATCHING, BATCHING_TWO_FRONTS):
+            continue
+        layout = "" if runs.mode == BATCHING else f" ({runs.mode.args[-2]} {runs.mode.args[-1]})"
+        for route in result.workload.routes:
+            busy = summarize(runs.runs[(route.label, loaded)], tokens=True)
+            share = busy.rate.median / raw_rate
+            yield Target(
+                f"{result.workload.key}{layout}, {route.label}: c={loaded} >= "
+                f"{GENERATION_SHARE:.0%} of raw generate at batch {loaded}",
+                share >= GENERATION_SHARE,
+                f"{busy.rate.median:.0f} tokens/s = {share:.0%} of {raw_rate:.0f} tokens/s",
+            )
 
 
 def evaluate(results: list[WorkloadResult]) -> list[Target]:

@@ -39,6 +39,8 @@ class Mode:
 
 BATCHING = Mode("batching")
 BATCHING_OFF = Mode("batching off", ("--max_batch_size", "1"))
+BATCHING_TWO_FRONTS = Mode("batching, --api_workers 2", ("--api_workers", "2"))
+"""Generation with its decode loop in an engine process, two front processes making the text."""
 
 
 @dataclass(frozen=True)
@@ -147,5 +149,6 @@ WORKLOADS = (
         server_args=("--backend", "huggingface"),
         routes=(COMPLETIONS,),
         concurrency=(1, 16),
+        modes=(BATCHING, BATCHING_TWO_FRONTS, BATCHING_OFF),
     ),
 )
