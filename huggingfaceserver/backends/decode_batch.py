@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
-from .kv_cache import ReservedCache, full_attention_only, num_cache_layers
+from .kv_cache import ReservedCache, full_attention_layers
 
 
 class DecodeBatch(ABC):
@@ -205,20 +205,17 @@ class ReservedCausalLMBatch(CausalLMBatch):
     :class:`~.kv_cache.ReservedCache` (its mask is the batch's), written in place; batches
     absorb each other and split."""
 
-    def __init__(self, model: PreTrainedModel, max_rows: int, cache: ReservedCache | None = None):
+    def __init__(self, model: PreTrainedModel, cache: ReservedCache):
         super().__init__(model)
-        if cache is None:
-            cache = ReservedCache(num_cache_layers(model.config), max_rows, self.device)
         self.cache = cache
 
     @staticmethod
-    def fits(model: PreTrainedModel) -> bool:
-        """Whether this model's rows can be kept this way."""
-        return (
-            _takes(model, "position_ids")
-            and _takes(model, "attention_mask")
-            and full_attention_only(model.config)
-        )
+    def cache_layers(model: PreTrainedModel) -> int:
+        """The layers of a :class:`~.kv_cache.ReservedCache` for this model (read once, at
+        load); 0 where its rows cannot be kept this way."""
+        if not (_takes(model, "position_ids") and _takes(model, "attention_mask")):
+            return 0
+        return full_attention_layers(model.config)
 
     def _keep_cache(self, cache: Any, tokens: int) -> None:
         if cache is not self.cache:
@@ -264,7 +261,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return True
 
     def split(self, rows: list[int]) -> DecodeBatch:
-        taken = ReservedCausalLMBatch(self.model, self.cache.max_rows, self.cache.take_rows(rows))
+        taken = ReservedCausalLMBatch(self.model, self.cache.take_rows(rows))
         taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
         taken.cache.trim()
         moved = set(rows)
@@ -282,6 +279,7 @@ class Seq2SeqBatch(DecodeBatch):
     def __init__(self, model: PreTrainedModel, decoder_start_token_id: int):
         super().__init__(model)
         self.decoder_start_token_id = decoder_start_token_id
+        self.cache_argument = _cache_argument(model)
         self.encoded = torch.empty(0)
         self.cache: Any = None
 
@@ -298,7 +296,7 @@ class Seq2SeqBatch(DecodeBatch):
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
             decoder_input_ids=self._ids([[token] for token in tokens]),
             use_cache=True,
-            **{_cache_argument(self.model): self.cache},
+            **{self.cache_argument: self.cache},
         )
         self.cache = _returned_cache(output)
         return output.logits[:, -1]

@@ -39,16 +39,13 @@ MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
 
 
-def full_attention_only(config: PretrainedConfig) -> bool:
-    """Whether the model's cache is plain full attention in every layer (what transformers'
-    own cache for it would hold), the layout :class:`ReservedCache` implements. Sliding-window,
-    linear-attention and KV-sharing layers keep transformers' own cache."""
+def full_attention_layers(config: PretrainedConfig) -> int:
+    """The layers of the model's cache when every one is plain full attention (what
+    transformers' own cache for it would hold), the layout :class:`ReservedCache` implements;
+    0 otherwise: sliding-window, linear-attention and KV-sharing layers keep transformers' own
+    cache."""
     layers = DynamicCache(config=config).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def num_cache_layers(config: PretrainedConfig) -> int:
-    return len(DynamicCache(config=config).layers)
+    return len(layers) if all(type(layer) is DynamicLayer for layer in layers) else 0
 
 
 class ReservedLayer(CacheLayerMixin):
@@ -136,11 +133,9 @@ class ReservedCache(Cache):
         self.row_capacity = 0
         self.column_capacity = 0
         self.mask_buffer = torch.zeros(0, 0, dtype=torch.long, device=device)
-        super().__init__(layers=[ReservedLayer(self) for _ in range(num_layers)])
-
-    @property
-    def reserved_layers(self) -> list[ReservedLayer]:
-        return [layer for layer in self.layers if isinstance(layer, ReservedLayer)]
+        self.reserved_layers = [ReservedLayer(self) for _ in range(num_layers)]
+        """:attr:`layers`, typed as what they are."""
+        super().__init__(layers=list(self.reserved_layers))
 
     def buffer_shape(self, states: torch.Tensor) -> tuple[int, int, int, int]:
         return (self.row_capacity, states.shape[1], self.column_capacity, states.shape[3])
@@ -154,12 +149,13 @@ class ReservedCache(Cache):
         """Room for a forward of ``tokens`` new tokens per row (of ``rows`` rows, for the first
         forward); the attention mask it takes (the columns in use and the new ones, which hold
         tokens in every row)."""
-        if rows is not None:
-            if self.end > self.start:
-                raise ValueError("rows are set by the first forward only")
+        if rows is None:
+            self._fit(self.rows, self.end + tokens)
+        elif self.end > self.start:
+            raise ValueError("rows are set by the first forward only")
+        else:  # nothing held yet: no rows to carry
             self._fit(rows, self.end + tokens)
             self.rows = rows
-        self._fit(self.rows, self.end + tokens)
         self.mask_buffer[: self.rows, self.end : self.end + tokens] = 1
         return self.mask_buffer[: self.rows, self.start : self.end + tokens]
 

@@ -33,6 +33,7 @@ from ..tasks import Task
 from .base import GenerationBackend
 from .continuous_batching import ContinuousBatcher, Request
 from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
+from .kv_cache import ReservedCache
 from .tokenizing import UNSET_MAX_LENGTH
 from .transformers import CALIBRATION_SHAPE, calibrate_cpu_threads
 
@@ -158,7 +159,10 @@ class TransformersGenerator(GenerationBackend):
             sorted(self.eos_token_ids),
         )
         self.max_rows = self.config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-        self.reserved_cache = not self.is_encoder_decoder and ReservedCausalLMBatch.fits(model)
+        self.cache_layers = (
+            0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
+        )
+        """Layers of a reserved KV cache for this model; 0: transformers' own cache."""
         self.batcher = ContinuousBatcher(self.new_batch, self.max_rows, self.config.model_name)
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -248,8 +252,9 @@ class TransformersGenerator(GenerationBackend):
     def new_batch(self) -> DecodeBatch:
         """The model side of a new batch, for this model's kind."""
         if self.decoder_start_token_id is None:
-            if self.reserved_cache:
-                return ReservedCausalLMBatch(self.model, self.max_rows)
+            if self.cache_layers:
+                cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
+                return ReservedCausalLMBatch(self.model, cache)
             return CausalLMBatch(self.model)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
 

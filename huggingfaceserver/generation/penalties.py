@@ -100,7 +100,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[PenalizedRow]) -> None:
         for i, row in enumerate(rows)
         if PenaltyCounts.wanted(row.params)
     }
-    repeating = [i for i in counts if rows[i].params.repetition_penalty != 1.0]
+    repeating = [i for i in counts if counts[i].seen is not None]
     if repeating:
         seen = torch.stack([counts[i].seen_mask() for i in repeating])
         penalties = [rows[i].params.repetition_penalty for i in repeating]

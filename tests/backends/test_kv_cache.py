@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from huggingfaceserver.backends import kv_cache
 from huggingfaceserver.backends.decode_batch import CausalLMBatch, ReservedCausalLMBatch
-from huggingfaceserver.backends.kv_cache import ReservedCache, full_attention_only
+from huggingfaceserver.backends.kv_cache import ReservedCache, full_attention_layers
 
 from .generation_helpers import PROMPTS, prompt
 
@@ -43,7 +43,8 @@ class Alone:
 
 
 def reserved(backend, max_rows: int = 16) -> ReservedCausalLMBatch:
-    return ReservedCausalLMBatch(backend.model, max_rows)
+    cache = ReservedCache(backend.cache_layers, max_rows, backend.model.device)
+    return ReservedCausalLMBatch(backend.model, cache)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -202,7 +203,8 @@ def test_split_rows_step_as_they_would_alone(backends) -> None:
 
 def test_only_plain_full_attention_models_use_the_reserved_cache(backends) -> None:
     backend = backends("llama")
-    assert full_attention_only(backend.model.config)
+    layers = backend.model.config.num_hidden_layers
+    assert full_attention_layers(backend.model.config) == backend.cache_layers == layers
     assert isinstance(backend.new_batch(), ReservedCausalLMBatch)
     sliding = backend.model.config.__class__(
         **{
@@ -214,7 +216,7 @@ def test_only_plain_full_attention_models_use_the_reserved_cache(backends) -> No
     assert not all(
         type(layer).__name__ == "DynamicLayer" for layer in DynamicCache(config=sliding).layers
     )
-    assert not full_attention_only(sliding)
+    assert full_attention_layers(sliding) == 0
 
 
 def test_the_cache_refuses_what_it_did_not_reserve() -> None:
