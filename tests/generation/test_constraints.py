@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from huggingfaceserver.errors import BadRequest
 from huggingfaceserver.generation.constraints import (
@@ -30,16 +28,6 @@ CONSTRAINTS = [
     Constraint("grammar", 'root ::= "<" ("x" | "y") ">"'),
     Constraint("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models: dict[str, Path]):
-    return AutoTokenizer.from_pretrained(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 def walk(grammars: Grammars, tokenizer, constraint: Constraint, logits_seed: int) -> str:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from huggingfaceserver.errors import BadRequest, ServerError
 from huggingfaceserver.generation.constraints import Grammars
@@ -24,16 +22,6 @@ from huggingfaceserver.generation.sequence import ChoiceText, SequenceState, adv
 
 STEPS = 6
 Outcomes = dict[str, list[ChoiceDelta | Exception]]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models: dict[str, Path]):
-    return AutoTokenizer.from_pretrained(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 class BrokenText(ChoiceText):
