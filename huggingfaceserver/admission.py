@@ -3,16 +3,14 @@
 Beyond the limit a request is refused at the door (429) before it is parsed, so memory stays
 bounded whatever the offered load. With front processes before an engine the count is kept
 once for the whole server: the fronts share one counter in a file the supervisor creates
-(:class:`FileSlots`).
+(:class:`FileSlots`, on a :class:`~huggingfaceserver.shared_count.SharedCount`).
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
-import os
-import struct
 from typing import Protocol
+
+from .shared_count import SharedCount
 
 
 class SharedSlots(Protocol):
@@ -57,43 +55,22 @@ class Admission:
 
 
 class FileSlots:
-    """A counter of taken slots shared by processes: 8 bytes of a file in the server's private
-    folder, mapped into each of them, changed under an exclusive ``flock`` (two system calls,
-    some microseconds). Unlike a ``multiprocessing`` semaphore it needs no resource tracker,
-    which reports and unlinks named semaphores when a process dies."""
-
-    COUNT = struct.Struct("q")
+    """Slots counted once for the whole server, in a :class:`SharedCount` the fronts share."""
 
     def __init__(self, path: str, limit: int):
         self.limit = limit
-        self.fd = os.open(path, os.O_RDWR)
-        self.map = mmap.mmap(self.fd, self.COUNT.size)
+        self.count = SharedCount(path)
 
-    @classmethod
-    def create(cls, path: str) -> str:
-        """The counter's file, at zero; give its path to the processes that share it."""
-        with open(path, "wb") as file:
-            file.write(bytes(cls.COUNT.size))
-        return path
-
-    def _add(self, delta: int) -> bool:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            (taken,) = self.COUNT.unpack_from(self.map)
-            if delta > 0 and taken >= self.limit:
-                return False
-            self.COUNT.pack_into(self.map, 0, taken + delta)
-            return True
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+    @staticmethod
+    def create(path: str) -> str:
+        return SharedCount.create(path)
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         assert not block, "admission never waits"
-        return self._add(1)
+        return self.count.add(1, self.limit)
 
     def release(self) -> None:
-        self._add(-1)
+        self.count.add(-1)
 
     def taken(self) -> int:
-        (taken,) = self.COUNT.unpack_from(self.map)
-        return int(taken)
+        return self.count.value()

@@ -35,6 +35,7 @@ from typing import Any
 from . import metrics, request_notes
 from .admission import Admission
 from .protocols.kserve_model import new_request_id
+from .shared_count import SharedCount
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,40 @@ class GatewayPolicy:
     model_name: str = "model"
 
 
-class ServerState:
-    """What the whole server is doing: draining once a stop signal came."""
+class ReadyFronts:
+    """How many front processes have their model loaded and warmed up, counted once for the
+    server: it says ready only once every front does, so that a probe gets the same answer
+    whichever front the shared port hands it to."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str, fronts: int):
+        self.count = SharedCount(path)
+        self.fronts = fronts
+        self.counted = False
+
+    def front_ready(self) -> None:
+        """This front's model is ready (counted once, whatever reloads come later)."""
+        if not self.counted:
+            self.counted = True
+            self.count.add(1)
+
+    def all_ready(self) -> bool:
+        return self.count.value() >= self.fronts
+
+
+class ServerState:
+    """What the whole server is doing: draining once a stop signal came; with front
+    processes, whether every front is ready."""
+
+    def __init__(self, fronts: ReadyFronts | None = None) -> None:
         self.draining = False
+        self.fronts = fronts
+
+    def front_ready(self) -> None:
+        if self.fronts is not None:
+            self.fronts.front_ready()
+
+    def fronts_ready(self) -> bool:
+        return self.fronts is None or self.fronts.all_ready()
 
 
 class Refusal(Exception):

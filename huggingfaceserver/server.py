@@ -33,7 +33,7 @@ from .errors import (
     describe_validation_error,
     install_error_handlers,
 )
-from .gateway import Gateway, GatewayPolicy, ServerState
+from .gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
 from .layout import choose_layout
 from .listeners import Rules, http_socket, start_servers
 from .loading import ModelSource, device, load_source, read_chat_template
@@ -65,7 +65,12 @@ class ModelAwareDataPlane(DataPlane):
         if self.state.draining:
             return False
         models = list(self.model_registry.get_models().values())
-        return bool(models) and all(m.ready for m in models) and await super().ready()
+        return (
+            bool(models)
+            and all(m.ready for m in models)
+            and self.state.fronts_ready()
+            and await super().ready()
+        )
 
     def decode_inference_request(
         self, body: bytes | InferenceRequest, headers: dict, model_name: str
@@ -237,8 +242,9 @@ class ModelLoader:
     torn-down servers' tracebacks; Kubernetes then restarts it.
     """
 
-    def __init__(self, model: BackendModel):
+    def __init__(self, model: BackendModel, state: ServerState):
         self.model = model
+        self.state = state
         self.failures: list[StartupError] = []
         self.watchers: dict[int, asyncio.Task[None]] = {}
 
@@ -264,6 +270,7 @@ class ModelLoader:
             self.fail(model, StartupError(f"the warm-up inference failed: {exc}"))
             return
         model.ready = True
+        self.state.front_ready()
         metrics.model_loaded(model.name, time.monotonic() - start)
         logger.info("model %s is ready", model.name)
         STARTUP.log_ready()
@@ -354,12 +361,14 @@ def serve_model(
     config: ServerConfig,
     shared_port: bool = False,
     admission_slots: SharedSlots | None = None,
+    ready_fronts: ReadyFronts | None = None,
 ) -> None:
     """Serve ``model`` over HTTP and gRPC until stopped: the whole server, or one front
-    process (``shared_port``: its HTTP port is shared with the other fronts, and
-    ``admission_slots`` the server-wide admission count)."""
+    process (``shared_port``: its HTTP port is shared with the other fronts,
+    ``admission_slots`` the server-wide admission count and ``ready_fronts`` the count of
+    fronts ready)."""
     sync_kserve_args(config.server)
-    state = ServerState()
+    state = ServerState(ready_fronts)
     server = _model_server(config, state)
     quiet_access_log()  # the gateway logs one line per request
     format_every_handler(config.log_format)
@@ -368,7 +377,7 @@ def serve_model(
         server.register_model(model, name=adapter)
     install_error_handlers(model_server.app)
     mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
-    loader = ModelLoader(model)
+    loader = ModelLoader(model, state)
     rules = Rules(
         Admission(config.max_concurrent_requests, admission_slots),
         state,

@@ -27,6 +27,7 @@ from .cli import ServerConfig
 from .engine import STOP_SIGNAL
 from .errors import StartupError
 from .metrics import shared_across_processes
+from .shared_count import SharedCount
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,13 @@ class ProcessGroup:
         )
         # admission is counted once for the server: the fronts share one counter
         slots = FileSlots.create(str(Path(wiring.run_dir) / "admission"))
+        # and the server is ready once every front is: they share one count of ready fronts
+        ready = SharedCount.create(str(Path(wiring.run_dir) / "ready"))
         self.fronts = [
             context.Process(
-                target=front_main, args=(config, wiring, index, slots), name=f"front-{index}"
+                target=front_main,
+                args=(config, wiring, index, slots, ready),
+                name=f"front-{index}",
             )
             for index in range(wiring.fronts)
         ]
@@ -205,7 +210,7 @@ def engine_main(config: ServerConfig, wiring: Wiring) -> None:
         raise SystemExit(1) from None
 
 
-def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str) -> None:
+def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str, ready: str) -> None:
     """A front process: HTTP and gRPC on the shared ports, the model in the engine."""
     _child_setup(config)
     from .startup import importing
@@ -213,6 +218,7 @@ def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str) -> 
     with importing(freeze=True):
         from ._kserve import model_server
         from .engine.client import EngineClient
+        from .gateway import ReadyFronts
         from .metrics import mount
         from .server import build_model, serve_model
 
@@ -223,7 +229,13 @@ def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str) -> 
         client = EngineClient(wiring.address, index, wiring.fronts)
         model = build_model(config, client=client)
         shared = FileSlots(slots, config.max_concurrent_requests)
-        serve_model(model, config, shared_port=True, admission_slots=shared)
+        serve_model(
+            model,
+            config,
+            shared_port=True,
+            admission_slots=shared,
+            ready_fronts=ReadyFronts(ready, wiring.fronts),
+        )
     except StartupError as exc:
         _report(wiring, name, exc)
         raise SystemExit(1) from None

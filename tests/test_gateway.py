@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from huggingfaceserver.admission import Admission
-from huggingfaceserver.gateway import Gateway, GatewayPolicy, ServerState
+from huggingfaceserver.gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
+from huggingfaceserver.shared_count import SharedCount
 
 pytestmark = pytest.mark.asyncio
 
@@ -184,3 +185,20 @@ async def test_while_draining_new_requests_are_503_and_health_still_answers():
         live = await http.get("/v2/health/live")
     assert refused.status_code == 503 and refused.headers["connection"] == "close"
     assert live.status_code == 200
+
+
+async def test_with_fronts_the_server_is_ready_once_every_front_is(tmp_path):
+    """Each front's state reads one shared count: whichever front answers a probe, the server
+    is ready for all of them at once, and a front that loads again is not counted twice."""
+    path = SharedCount.create(str(tmp_path / "ready"))
+    first, second = (ServerState(ReadyFronts(path, 2)) for _ in range(2))
+    assert not first.fronts_ready() and not second.fronts_ready()
+    first.front_ready()
+    first.front_ready()  # a reload of the same front
+    assert not first.fronts_ready() and not second.fronts_ready()
+    second.front_ready()
+    assert first.fronts_ready() and second.fronts_ready()
+
+
+async def test_alone_the_server_needs_no_other_front():
+    assert ServerState().fronts_ready()
