@@ -175,6 +175,18 @@ def _long_output(context: Context) -> Outcome:
     return long_output.measure(context.models.long_llama, context.settings, context.log_dir)
 
 
+def _resilience(context: Context) -> Outcome:
+    from . import resilience
+
+    return resilience.measure(context.models.classifier, context.settings, context.log_dir)
+
+
+def _soak(context: Context) -> Outcome:
+    from . import soak
+
+    return soak.measure(context.models, context.settings, context.log_dir)
+
+
 def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
 
@@ -203,6 +215,8 @@ SUITES = (
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),
     Suite("long_output", "cpu", _long_output),
+    Suite("resilience", "cpu", _resilience),
+    Suite("soak", "cpu", _soak),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
 )

@@ -85,6 +85,8 @@ class Settings:
     a round on 2 cores; its own count: a third round would take the suite past 10 minutes)."""
     long_output_tokens: tuple[int, int] = (12_000, 4_000)
     """Long-output runs: ``max_tokens`` of the long stream alone and of the 8 long streams."""
+    soak_s: float = 600.0
+    """Soak: seconds of mixed load."""
     server_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra flags for every server (e.g. ``--disable_log_requests``)."""
 
@@ -102,6 +104,7 @@ QUICK = Settings(
     generation_min_requests=4,
     long_output_rounds=1,
     long_output_tokens=(1_000, 500),
+    soak_s=60.0,
 )
 
 V1 = Route("V1 :predict", lambda url, name: routes.v1_predict(url, name, texts.SENTENCES))

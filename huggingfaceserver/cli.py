@@ -109,8 +109,10 @@ class ServerConfig:
     """Front processes (HTTP, gRPC, tokenization, rendering) in front of one engine process
     that owns the model; None (``auto``): one per two cores on a CUDA device (at most 8),
     else one: the whole server in one process, with no IPC (see :mod:`.layout`)."""
-    max_log_len: int | None = None
-    """Truncate logged inputs to this many characters (the log line only)."""
+    max_log_len: int = 512
+    """Characters of a request's inputs its log line shows, then their whole length (0: none;
+    the log line only, never the data). 512 identifies a request and keeps the line under 1 KiB,
+    one record for any log collector, whatever the body's size."""
     log_format: str = "text"
     """text | json: one JSON object per log line, for log collectors."""
     enable_model_repository: bool = False
@@ -137,6 +139,13 @@ class ServerConfig:
     """How the model writes tool calls: ``hermes``, ``llama3_json``, ``mistral``."""
     request_timeout_seconds: float | None = None
     """A request still running after this long gets a 504 and its work is freed (off: None)."""
+    max_concurrent_predictor_calls: int = 16
+    """Transformer mode (``--predictor_host``): predictor calls in flight at once; each ends
+    by ``--predictor_request_timeout_seconds`` (504 past it)."""
+    request_read_timeout_seconds: float = 30.0
+    """How long a client may take to send a request's body; past it a 408 and the connection
+    is closed. A request takes its admission slot only once its body is in, so clients that
+    stall mid-upload hold no slot meanwhile."""
     shutdown_grace_seconds: float = 25.0
     """On SIGTERM, how long requests in flight (streams included) may take to finish."""
     api_key: str | None = None
@@ -285,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="auto|N",
         help="front processes before one engine process (auto: by device; 1: in-process)",
     )
-    add("max_log_len", type=int, default=None, help="truncate logged inputs (log line only)")
+    add("max_log_len", type=int, default=512, help="characters of the inputs logged (0: none)")
     add("log_format", default="text", choices=LOG_FORMATS, help="log lines as text or JSON")
     add_flag("enable_model_repository", "serve the model repository load/unload routes")
     add(
@@ -310,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="504 for a request still running after this long (default: no limit)",
+    )
+    add(
+        "max_concurrent_predictor_calls",
+        type=int,
+        default=16,
+        help="transformer mode: predictor calls in flight at once",
+    )
+    add(
+        "request_read_timeout_seconds",
+        type=float,
+        default=30.0,
+        help="408 for a request whose body is not in after this long",
     )
     add("shutdown_grace_seconds", type=float, default=25.0, help="SIGTERM: time to drain")
     add("api_key", default=None, help="bearer token for model routes (or env var)")
@@ -391,10 +412,19 @@ def parse_args(
             parser.error(f"--{name} must be a positive integer")
     if own["batch_wait_ms"] < 0:
         parser.error("--batch_wait_ms must not be negative")
-    for name in ("max_concurrent_requests", "max_request_bytes", "max_inputs_per_request"):
+    for name in (
+        "max_concurrent_requests",
+        "max_request_bytes",
+        "max_inputs_per_request",
+        "max_concurrent_predictor_calls",
+    ):
         if own[name] <= 0:
             parser.error(f"--{name} must be a positive integer")
-    for name in ("request_timeout_seconds", "shutdown_grace_seconds"):
+    for name in (
+        "request_timeout_seconds",
+        "request_read_timeout_seconds",
+        "shutdown_grace_seconds",
+    ):
         value = own[name]
         if value is not None and not value > 0:  # NaN too
             parser.error(f"--{name} must be a positive number of seconds")

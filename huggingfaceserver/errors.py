@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kserve.errors import InvalidInput
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,12 @@ class UpstreamError(ServerError):
     status_code = HTTPStatus.BAD_GATEWAY
 
 
+class UpstreamTimeout(ServerError):
+    """The remote predictor did not answer within ``--predictor_request_timeout_seconds``."""
+
+    status_code = HTTPStatus.GATEWAY_TIMEOUT
+
+
 async def server_error_handler(_: Request, exc: Exception) -> JSONResponse:
     """Render a :class:`ServerError` in the KServe shape ``{"error": message}``."""
     assert isinstance(exc, ServerError)
@@ -112,9 +120,128 @@ async def not_implemented_handler(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=HTTPStatus.NOT_IMPLEMENTED, content={"error": str(exc)})
 
 
+INTERNAL_ERROR = (
+    "internal server error while serving request {request_id}; "
+    "the server log has the details under that id"
+)
+
+
+def internal_error_message(request_id: str) -> str:
+    """What a client is told of an unexpected failure: the request id, nothing of the cause."""
+    return INTERNAL_ERROR.format(request_id=request_id)
+
+
+def log_unexpected(request_id: str, exc: BaseException) -> None:
+    """The exception and its traceback, for the log only, under the request id."""
+    logger.error(
+        "request %s failed: %s: %s",
+        request_id,
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+        extra={"request_id": request_id},
+    )
+
+
+def request_id_in(headers: Headers) -> str:
+    """The request's id: the gateway's, which it put in the request headers (a new one for an
+    app driven without the gateway)."""
+    from .protocols.kserve_model import new_request_id  # that module imports this one
+
+    return headers.get("x-request-id", "").strip() or new_request_id()
+
+
+def internal_error_body(path: str, request_id: str) -> bytes:
+    """The 500 body in the shape of the route of ``path`` (OpenAI's on the OpenAI routes,
+    KServe's ``{"error": ...}`` elsewhere): the request id, nothing of the cause."""
+    from .gateway import error_body
+    from .protocols.openai.routes import route_prefix
+
+    return error_body(path, route_prefix(), 500, internal_error_message(request_id))
+
+
+class UnexpectedErrors:
+    """ASGI middleware for the exceptions no handler took (a bug, a model that raised): the
+    answer is a 500 that names the request id and nothing of the exception, whose text and
+    traceback go to the log under that id. A response already under way is ended: a stream
+    with an error event and ``[DONE]``, as the gateway ends one past its deadline.
+
+    It sits inside the gateway (which adds the ``x-request-id`` header and logs the status)
+    and outside Starlette's exception middleware, whose handlers answer the exceptions that
+    carry a status. Starlette's own last resort, a handler keyed on ``Exception``, runs
+    outside every middleware, then re-raises to uvicorn, which logs the traceback again."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = ResponseState()
+
+        async def sending(message: Message) -> None:
+            sent.saw(message)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            request_id = request_id_in(Headers(scope=scope))
+            log_unexpected(request_id, exc)
+            if sent.finished:
+                return
+            body = internal_error_body(scope["path"], request_id)
+            if not sent.started:
+                headers = [(b"content-type", b"application/json")]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({"type": "http.response.start", "status": 500, "headers": headers})
+            elif sent.streaming:
+                body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+            else:  # part of another body went out: all that can be done is to end it
+                body = b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ResponseState:
+    """How far a response went: started, a Server-Sent Events stream, finished."""
+
+    def __init__(self) -> None:
+        self.started = self.streaming = self.finished = False
+
+    def saw(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.streaming = any(
+                name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                for name, value in message.get("headers", ())
+            )
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+
+
+async def outermost_error_handler(request: Request, exc: Exception) -> Response:
+    """The same answer for an exception raised outside :class:`UnexpectedErrors` (by another
+    middleware): Starlette's outermost middleware sends it past the gateway, so it carries its
+    request id itself."""
+    request_id = request_id_in(request.headers)
+    log_unexpected(request_id, exc)
+    body = internal_error_body(request.scope["path"], request_id)
+    return Response(
+        body,
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        headers={"x-request-id": request_id},
+        media_type="application/json",
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Our exceptions with their status, 400 (not 422) for bodies that do not validate, 404 for
-    model versions; call after KServe adds its handlers, so that ours win."""
+    model versions, and a 500 that leaks nothing for any other exception; call after KServe
+    adds its handlers, so that ours win, and before the gateway is added around the app."""
     app.add_exception_handler(ServerError, server_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(NotImplementedError, not_implemented_handler)
+    app.add_exception_handler(Exception, outermost_error_handler)  # instead of KServe's
+    if not any(middleware.cls is UnexpectedErrors for middleware in app.user_middleware):
+        app.add_middleware(UnexpectedErrors)

@@ -6,9 +6,13 @@ In order, for a request:
 - the API key (``--api_key``): every route but health and metrics needs ``Authorization:
   Bearer <key>`` (401 otherwise, compared in constant time);
 - while the server drains (SIGTERM), a new request is a 503 and health says not ready;
+- the body, read here up to ``--max_request_bytes`` (413 beyond it, before anything parses it)
+  within ``--request_read_timeout_seconds`` (408 past it, and the connection is closed);
+  bodies being read share a byte budget (:class:`ReadingBudget`, 429 when full), so that
+  memory stays bounded however many clients upload at once;
 - admission (``--max_concurrent_requests``): a request that would exceed the server's limit is
-  a 429 with ``Retry-After`` at once, before its body is read;
-- the body, read here up to ``--max_request_bytes`` (413 beyond it, before anything parses it);
+  a 429 with ``Retry-After`` at once. It is taken once the body is in: clients that stall
+  mid-upload hold no slot, and cannot lock out those that send whole requests;
 - the handler then runs in a task of its own, cancelled when the client disconnects (streaming
   or not: the cancellation reaches the batcher and the decode loop, which drop its rows) or when
   ``--request_timeout_seconds`` passes (a 504, or an error event that ends a stream);
@@ -60,6 +64,7 @@ class GatewayPolicy:
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout_s: float | None = None
+    read_timeout_s: float = 30.0
     log_requests: bool = True
     openai_prefix: str = "/openai"
     model_name: str = "model"
@@ -83,6 +88,29 @@ class ReadyFronts:
 
     def all_ready(self) -> bool:
         return self.count.value() >= self.fronts
+
+
+READING_BUDGET_REQUESTS = 4
+"""Bodies being read may hold this many largest bodies' worth of bytes, together."""
+
+
+class ReadingBudget:
+    """The bytes of request bodies being read, before admission, in this process: at most
+    ``limit`` together. A stalled upload holds only what it sent; a full budget refuses the
+    body that would overflow it (429) rather than let uploads grow memory without bound."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
 
 
 class ServerState:
@@ -199,6 +227,7 @@ class Gateway:
         self.routes = routes
         """The application's routes, to name the route of a request refused before routing."""
         self.key = policy.api_key.encode() if policy.api_key else None
+        self.reading = ReadingBudget(READING_BUDGET_REQUESTS * policy.max_request_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -230,6 +259,10 @@ class Gateway:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, exchange.send)  # metadata: cheap, not admitted
             return
+        body = await self.read_body(scope, receive)
+        if body is None:  # the client left while sending it
+            exchange.status = CLIENT_CLOSED
+            return
         if not self.admission.try_enter():
             metrics.admission_rejected(self.route_of(scope))
             raise Refusal(
@@ -238,11 +271,7 @@ class Gateway:
                 {"retry-after": str(RETRY_AFTER_S)},
             )
         try:
-            body = await self.read_body(scope, receive)
-            if body is not None:  # None: the client left while sending it
-                await self.run(scope, body, receive, exchange)
-            else:
-                exchange.status = CLIENT_CLOSED
+            await self.run(scope, body, receive, exchange)
         finally:
             self.admission.leave()
 
@@ -257,24 +286,46 @@ class Gateway:
             )
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body, refused (413) as soon as it is known to exceed the limit."""
+        """The whole body (None if the client left), refused as soon as it is known to exceed
+        the limit (413), when it is not in by the deadline (408) or when the bytes of the
+        bodies being read would overflow their budget (429)."""
         limit = self.policy.max_request_bytes
         declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large(int(declared), limit))
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large(size, limit))
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.policy.read_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    if size + len(chunk) > limit:
+                        raise Refusal(
+                            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large(size + len(chunk), limit)
+                        )
+                    if not self.reading.take(len(chunk)):
+                        raise Refusal(
+                            HTTPStatus.TOO_MANY_REQUESTS,
+                            "the server is receiving too many request bodies at once; retry later",
+                            {"retry-after": str(RETRY_AFTER_S), "connection": "close"},
+                        )
+                    size += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            seconds = self.policy.read_timeout_s
+            raise Refusal(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body was not received within {seconds:g} s "
+                "(--request_read_timeout_seconds)",
+                {"connection": "close"},
+            ) from None
+        finally:
+            self.reading.give_back(size)
 
     async def run(self, scope: Scope, body: bytes, receive: Receive, exchange: Exchange) -> None:
         """The handler in a task of its own, until it ends, the client leaves or time is up."""

@@ -8,7 +8,7 @@ its own line.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -38,3 +38,30 @@ def add(detail: str) -> bool:
 def suffix(notes: list[str]) -> str:
     """The notes as the end of a log line: each after a space."""
     return "".join(" " + note for note in notes)
+
+
+def preview(texts: Sequence[str], limit: int) -> str:
+    """``repr(texts)`` cut to ``limit`` characters (none for 0), then the texts' whole length
+    when cut: ``['the quick brow... (16777216 characters, 16 shown)``.
+
+    Built from the first characters of the first texts only: its cost is bounded by
+    ``limit``, never by the size of the inputs (a 16 MiB body must not cost a 16 MiB repr).
+    """
+    limit = max(limit, 0)
+    parts = ["["]
+    size = 1
+    for index, text in enumerate(texts):
+        if size > limit:
+            break
+        # a slice one character longer than the room left shows whether it overflows
+        part = (", " if index else "") + repr(text[: limit - size + 1])
+        parts.append(part)
+        size += len(part)
+    else:
+        parts.append("]")
+        size += 1
+    shown = "".join(parts)
+    if size <= limit:
+        return shown
+    chars = sum(len(text) for text in texts)
+    return f"{shown[:limit]}... ({chars} characters, {limit} shown)"

@@ -34,10 +34,11 @@ from .errors import (
     install_error_handlers,
 )
 from .gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
-from .layout import choose_layout
+from .layout import choose_layout, engine_bytes
 from .listeners import Rules, http_socket, start_servers
 from .loading import ModelSource, device, load_source, read_chat_template
 from .logs import format_every_handler, quiet_access_log
+from .pod import read_pod_limits
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 from .protocols.openai.models import ServedModels
 from .protocols.openai.routes import mount_openai, route_prefix
@@ -210,8 +211,11 @@ def serve(config: ServerConfig) -> None:
         choice.name,
         remote=bool(config.server.get("predictor_host")) and not source.task.is_generative,
         cuda=device().type == "cuda",
-        cores=os.cpu_count() or 1,
+        pod=read_pod_limits(),
+        engine=engine_bytes(source.path),
     )
+    if not layout.fits_memory:
+        logger.warning("the layout may not fit in the pod's memory: %s", layout.reason)
     if layout.split and config.enable_model_repository:
         raise StartupError(
             "--enable_model_repository needs the single-process layout: the engine process "
@@ -243,7 +247,8 @@ class ModelLoader:
     """
 
     def __init__(self, model: BackendModel, state: ServerState):
-        self.model = model
+        self.model: BackendModel | None = model
+        """The model served from the start, until it is unloaded (:meth:`forget`)."""
         self.state = state
         self.failures: list[StartupError] = []
         self.watchers: dict[int, asyncio.Task[None]] = {}
@@ -257,6 +262,7 @@ class ModelLoader:
         """Load off the event loop while the server already answers health probes; ready
         after one warm-up inference."""
         model = model or self.model
+        assert model is not None, "a model to load"
         start = time.monotonic()
         try:
             await model.backend.connect()
@@ -277,10 +283,13 @@ class ModelLoader:
         self.watchers[id(model)] = asyncio.create_task(self.watch(model))
 
     def forget(self, model: BackendModel) -> None:
-        """Stop watching ``model`` (unloaded on request: its backend's end is no failure)."""
+        """Stop watching ``model`` and let go of it (unloaded on request: its backend's end is
+        no failure, and its memory is to be returned)."""
         watcher = self.watchers.pop(id(model), None)
         if watcher is not None:
             watcher.cancel()
+        if self.model is model:
+            self.model = None
 
     async def watch(self, model: BackendModel) -> None:
         try:
@@ -335,6 +344,7 @@ def install_gateway(app: FastAPI, config: ServerConfig, rules: Rules) -> None:
         api_key=rules.api_key,
         max_request_bytes=config.max_request_bytes,
         request_timeout_s=config.request_timeout_seconds,
+        read_timeout_s=config.request_read_timeout_seconds,
         log_requests=not config.disable_log_requests,
         openai_prefix=route_prefix(),
         model_name=config.model_name,

@@ -202,3 +202,66 @@ async def test_with_fronts_the_server_is_ready_once_every_front_is(tmp_path):
 
 async def test_alone_the_server_needs_no_other_front():
     assert ServerState().fronts_ready()
+
+
+def stalled_upload(gateway: Gateway, first: bytes = b'{"in') -> tuple[asyncio.Task, list[dict]]:
+    """A POST whose client sends ``first`` of its body and then nothing more."""
+    sent: list[dict] = []
+    stall = asyncio.Event()  # never set
+    chunks = [first]
+
+    async def receive():
+        if chunks:
+            return {"type": "http.request", "body": chunks.pop(), "more_body": True}
+        await stall.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/models/m:predict", "headers": []}
+    return asyncio.create_task(gateway(scope, receive, send)), sent
+
+
+async def test_a_stalled_upload_holds_no_admission_slot_and_gets_a_408_at_the_deadline():
+    """Admission has one slot; a client stalled mid-upload does not take it, so a whole request
+    is served meanwhile; the stalled one is told 408 and its connection closed."""
+    app = StandIn()
+    gateway = Gateway(app, GatewayPolicy(read_timeout_s=0.5), Admission(1), ServerState())
+    stalled, sent = stalled_upload(gateway)
+    transport = httpx.ASGITransport(app=gateway)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        served = await http.post("/v1/models/m:predict", content=b"whole")
+        assert not stalled.done()  # still waiting for its body
+        assert gateway.reading.held == len(b'{"in')
+        await asyncio.wait_for(stalled, 10)
+    assert served.status_code == 200 and served.content == b"whole"
+    start = sent[0]
+    assert start["status"] == 408
+    assert (b"connection", b"close") in start["headers"]
+    assert "--request_read_timeout_seconds" in json.loads(sent[1]["body"])["error"]
+    assert gateway.admission.held == 0 and gateway.reading.held == 0
+    assert app.entered == 1
+
+
+async def test_bodies_being_read_share_a_byte_budget():
+    """A body that would overflow what the bodies being read may hold together is a 429 at
+    once; the budget comes back when reads end."""
+    app = StandIn()
+    policy = GatewayPolicy(max_request_bytes=8, read_timeout_s=30)
+    gateway = Gateway(app, policy, Admission(4), ServerState())
+    budget = gateway.reading.limit
+    stalled = [stalled_upload(gateway, b"x" * 8) for _ in range(budget // 8)]
+    while gateway.reading.held < budget:
+        await asyncio.sleep(0.01)
+    transport = httpx.ASGITransport(app=gateway)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        refused = await http.post("/v1/models/m:predict", content=b"abc")
+        for task, _ in stalled:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in stalled), return_exceptions=True)
+        assert gateway.reading.held == 0
+        served = await http.post("/v1/models/m:predict", content=b"abc")
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "too many request bodies" in refused.json()["error"]
+    assert served.status_code == 200 and served.content == b"abc"

@@ -10,10 +10,25 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from ..encoders import EncoderTask
+from ..errors import NotReady
 from ..generation.params import ChoiceDelta, SamplingParams
 
 EncoderInputs = Sequence[str] | Sequence[Sequence[int]]
 """Texts, or already tokenized inputs (token id lists, used as they are)."""
+
+
+def unloaded(model_name: str) -> NotReady:
+    """What a request fails with (503) once its backend is shut down: the model was unloaded
+    (``/v2/repository/models/<name>/unload``), or the server is stopping."""
+    return NotReady(f"model {model_name} is not ready: it has been unloaded")
+
+
+def release_weights(backend: EncoderBackend | GenerationBackend) -> None:
+    """Let go of a shut-down backend's weights (its ``model``), once no thread runs them: the
+    model object that KServe or a request in flight still holds then keeps only the light
+    parts (the tokenizer, the task), which a request under way may still read."""
+    if hasattr(backend, "model"):
+        delattr(backend, "model")
 
 
 class EncoderBackend(ABC):
@@ -58,7 +73,9 @@ class EncoderBackend(ABC):
         await asyncio.Event().wait()
 
     def shutdown(self) -> None:
-        """Release what the backend holds; called on SIGTERM."""
+        """Stop serving for good and release what the backend holds (threads, weights):
+        called on an unload and on SIGTERM, maybe more than once. Requests under way that it
+        cannot finish fail with :func:`unloaded`."""
 
 
 class GenerationBackend(ABC):
@@ -107,4 +124,6 @@ class GenerationBackend(ABC):
         await asyncio.Event().wait()
 
     def shutdown(self) -> None:
-        """Release what the backend holds (engine processes); called once on SIGTERM."""
+        """Stop serving for good and release what the backend holds (threads, weights, engine
+        processes): called on an unload and on SIGTERM, maybe more than once. Requests under
+        way that it cannot finish fail with :func:`unloaded`."""

@@ -7,6 +7,9 @@ announce themselves with :meth:`EncoderBatcher.expect`) it waits up to ``--batch
 them; a lone request never waits. It sorts the rows by length (less padding) and cuts them into
 batches of at most ``--max_batch_size`` rows and ``--max_batch_tokens`` padded tokens, run one
 after the other. Every request gets exactly its own rows' results back.
+
+:meth:`EncoderBatcher.close` stops the worker after the forward pass it is running: the
+requests it had not started, and any submitted later, fail with the error it was given.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import numpy as np
 import torch
 from transformers import BatchEncoding
 
+from ..errors import ServerError
 from ..loop_calls import LoopCalls, deferred
 from ..metrics import EncoderBatchMetrics
 from .encoding import Row
 
 T = TypeVar("T")
+STOP_TIMEOUT_S = 60.0
+"""How long :meth:`EncoderBatcher.close` waits for the forward pass under way."""
 RunBatch = Callable[[BatchEncoding, list[str]], list[Any]]
 """Runs a merged batch on the batcher's thread, given each row's kind (see
 :attr:`Request.kind`); a result per row."""
@@ -68,9 +74,18 @@ class Request:
     queued_at: float = field(default_factory=time.perf_counter)
     started: bool = False
     """Set when its first row's forward pass starts."""
+    ended: bool = False
+    """Set once settled."""
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.rows)
+
+    def end(self, outcome: list[Any] | BaseException) -> None:
+        """Settle the request, once (a request whose batch failed is not settled again when
+        the batcher closes)."""
+        if not self.ended:
+            self.ended = True
+            self.settle(outcome)
 
 
 def future_settle(future: asyncio.Future[list[Any]]) -> Settle:
@@ -145,6 +160,8 @@ class EncoderBatcher:
         """Requests being prepared that will be submitted soon."""
         self.thread: threading.Thread | None = None
         self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.closed: ServerError | None = None
+        """Set by :meth:`close`: what requests not run fail with."""
 
     def run_on_worker(self, function: Callable[[], T]) -> T:
         """``function()`` on the batcher's thread, waited for: what sets torch's CPU threads
@@ -153,10 +170,15 @@ class EncoderBatcher:
         its workers' spin-waits short, which slowed every small forward pass down by half."""
         done: Future[T] = Future()
         with self.wake:
+            self._refuse_if_closed()
             self._start()
             self.calls.append((function, done))
             self.wake.notify()
         return done.result()
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed is not None:
+            raise self.closed
 
     def _start(self) -> None:
         if self.thread is None:
@@ -177,7 +199,9 @@ class EncoderBatcher:
 
     def put(self, rows: list[Row], kind: str = "task") -> asyncio.Future[list[Any]]:
         """Queue a request's rows; the future of their results, in order. Cancelling the
-        future takes the request out of the queue if its batch has not started."""
+        future takes the request out of the queue if its batch has not started. Once closed:
+        raises the error :meth:`close` was given."""
+        self._refuse_if_closed()
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         request = Request(rows, future_settle(future), kind)
         future.add_done_callback(lambda f: setattr(request, "cancelled", f.cancelled()))
@@ -187,20 +211,57 @@ class EncoderBatcher:
     def submit(self, request: Request) -> None:
         """Queue a request (from any thread); its ``settle`` gets the outcome."""
         with self.wake:
+            self._refuse_if_closed()
             self._start()
             self.waiting.append(request)
             self.metrics.submitted()
             self.wake.notify()
 
+    def close(self, error: ServerError, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the worker once the forward pass it is running ends: every request not yet
+        run fails with ``error``, and so does any submitted from now on. Idempotent. Returns
+        whether the worker has stopped (False: its forward pass outlasted ``timeout``)."""
+        with self.wake:
+            if self.closed is None:
+                self.closed = error
+            self.wake.notify_all()
+        if self.thread is None:
+            return True
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _fail_waiting(self) -> None:
+        """On the worker, as it stops: the queue and the pending calls fail with the error
+        :meth:`close` was given."""
+        error = self.closed
+        assert error is not None, "called once closed"
+        with self.wake:
+            requests, self.waiting = list(self.waiting), deque()
+            calls, self.calls = list(self.calls), deque()
+            self.metrics.taken(len(requests))
+            self.metrics.idle()
+        for request in requests:
+            request.end(error)
+        for _, done in calls:
+            done.set_exception(error)
+
     def _gather(self) -> list[Request]:
-        """Every waiting request, after waiting (bounded) for those still being prepared."""
+        """Every waiting request, after waiting (bounded) for those still being prepared;
+        none once closed."""
         with self.wake:
             if not self.waiting:
                 self.metrics.idle()
-            while not self.waiting and not self.calls:
+            while not self.waiting and not self.calls and self.closed is None:
                 self.wake.wait()
+            if self.closed is not None:
+                return []
             deadline = time.monotonic() + self.limits.wait_s
-            while self.expected and self._waiting_rows() < self.limits.max_batch_size:
+            while (
+                self.expected
+                and self._waiting_rows() < self.limits.max_batch_size
+                and self.closed is None
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -223,13 +284,20 @@ class EncoderBatcher:
         return sum(len(request.rows) for request in self.waiting)
 
     def _work(self) -> None:
-        while True:
+        while self.closed is None:
             self._run_calls()
             requests = self._gather()
             pending = [(request, i) for request in requests for i in range(len(request.rows))]
             for batch in plan_batches(pending, self.limits):
+                if self.closed is not None:  # the rest of the plan fails below
+                    break
                 with deferred():  # the event loops are woken once per batch
                     self._run(batch)
+            if self.closed is not None:
+                with deferred():
+                    for request in requests:
+                        request.end(self.closed)
+        self._fail_waiting()
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         self._count(batch)
@@ -238,13 +306,13 @@ class EncoderBatcher:
             results = self.run_batch(encoded, [request.kind for request, _ in batch])
         except Exception as exc:  # this batch's requests fail; the worker goes on
             for request in dict.fromkeys(request for request, _ in batch):
-                request.settle(exc)
+                request.end(exc)
             return
         for (request, i), result in zip(batch, results, strict=True):
             request.results[i] = result
             request.done += 1
             if request.done == len(request.rows):
-                request.settle(request.results)
+                request.end(request.results)
 
     def _count(self, batch: list[tuple[Request, int]]) -> None:
         """The batch's size, and the queue time of the requests it starts."""

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import NotReady
+from ..errors import NotReady, ServerError
 from ..generation.logits import prompt_token_logprobs
 from ..generation.params import ChoiceDelta, TokenLogprob
 from ..generation.sequence import SequenceState, advance
@@ -42,6 +42,8 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 30.0
+"""How long :meth:`ContinuousBatcher.close` waits for the decode step under way."""
 PADDING_LIMIT = 1.5
 """Prompts prefill together while their padded batch holds at most this many times their
 tokens."""
@@ -91,6 +93,8 @@ class ContinuousBatcher:
         self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.wake = threading.Condition()
         self.closed = False
+        self.stopped: ServerError = NotReady("the server is shutting down")
+        """What requests fail with once closed (:meth:`close`)."""
         self.thread = threading.Thread(target=self._loop, name="decode", daemon=True)
         self.thread.start()
 
@@ -98,7 +102,7 @@ class ContinuousBatcher:
         """Queue a request; it joins the running batch before the next decode step."""
         with self.wake:
             if self.closed:
-                raise NotReady("the server is shutting down")
+                raise self.stopped
             self.waiting.append(request)
             self.metrics.queue_length(len(self.waiting), 1)
             self.wake.notify()
@@ -108,6 +112,8 @@ class ContinuousBatcher:
         the thread that runs the forward passes (OpenMP keeps a team per calling thread)."""
         done: Future[T] = Future()
         with self.wake:
+            if self.closed:
+                raise self.stopped
             self.calls.append((function, done))
             self.wake.notify()
         return done.result()
@@ -120,12 +126,18 @@ class ContinuousBatcher:
             except BaseException as exc:  # handed to the caller
                 done.set_exception(exc)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the loop; requests still waiting or running end with an error."""
+    def close(self, error: ServerError | None = None, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the loop after the step under way; requests still waiting or running end with
+        ``error`` (by default: the server is shutting down), and so do later ones. Idempotent.
+        Returns whether the loop has stopped (False: its step outlasted ``timeout``)."""
         with self.wake:
+            if not self.closed and error is not None:
+                self.stopped = error
             self.closed = True
             self.wake.notify()
-        self.thread.join(timeout)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     @property
     def running_rows(self) -> int:
@@ -145,12 +157,23 @@ class ContinuousBatcher:
                     self._start(requests)
                 for group in list(self.running):
                     self._step(group)
-        stopped = NotReady("the server is shutting down")
-        self.metrics.queue_length(0, -len(self.waiting))
-        for request in self.waiting:
-            request.emit(stopped)
-        for request in {o for g in self.running for o in g.owners}:
-            self._end(request, stopped)
+        self._stop()
+
+    def _stop(self) -> None:
+        """On the loop's thread as it ends: every request and pending call fails, and the
+        running batches (their KV caches) are let go."""
+        with self.wake:
+            waiting, self.waiting = list(self.waiting), deque()
+            calls, self.calls = list(self.calls), deque()
+        self.metrics.queue_length(0, -len(waiting))
+        with deferred():
+            for request in waiting:
+                request.emit(self.stopped)
+            for request in dict.fromkeys(o for g in self.running for o in g.owners):
+                self._end(request, self.stopped)
+        self.running.clear()
+        for _, done in calls:
+            done.set_exception(self.stopped)
 
     def _admit(self) -> list[Request]:
         """Take the waiting requests whose rows fit (the first one always fits an idle loop)."""

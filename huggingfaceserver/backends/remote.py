@@ -5,6 +5,14 @@ named by ``--tensor_input_names`` (all of them by default) to the predictor over
 Protocol REST or gRPC (``--predictor_protocol v2`` / ``grpc-v2``), and post-processes the
 predictor's first output (logits, or the last hidden state for embeddings) exactly as the
 transformers backend post-processes its own.
+
+Each request's rows go to the predictor in calls of their own (cut to ``--max_batch_tokens`` /
+``--max_batch_size``; the predictor batches across calls, as Triton's dynamic batcher does), at
+most ``--max_concurrent_predictor_calls`` at once, on the event loop: no thread waits on the
+network. A call still unanswered after ``--predictor_request_timeout_seconds`` (counted from
+when the request's rows were ready, waiting for a free call included) fails its request with a
+504 and frees its place; a hung predictor call never holds up the calls beside it. Padding the
+rows and post-processing the outputs (torch) run on the tokenizing thread, off the loop.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import grpc
@@ -23,10 +32,11 @@ from kserve.protocol.infer_type import InferInput, InferRequest, InferResponse
 from transformers import BatchEncoding
 
 from ..cli import ServerConfig
-from ..errors import StartupError, UpstreamError
+from ..errors import StartupError, UpstreamError, UpstreamTimeout
 from ..loading import ModelSource
+from .batching import BatchLimits, Request, collate, plan_batches
 from .encoding import Row
-from .tokenizing import TokenizingEncoder
+from .tokenizing import TokenizingEncoder, results_by_kind
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +57,10 @@ class RemoteEncoder(TokenizingEncoder):
             raise StartupError(
                 f"--predictor_host needs --predictor_protocol v2 or grpc-v2, not {self.protocol}"
             )
-        self._send: Send | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        """The event loop the predictor calls run on (the one requests arrive on)."""
+        self.send: Send | None = None
+        self.timeout_s = float(s["predictor_request_timeout_seconds"])
+        self.calls: asyncio.Semaphore | None = None
+        """At most ``--max_concurrent_predictor_calls`` in flight (made on the serving loop)."""
 
     def load_model(self) -> None:
         s = self.config.server
@@ -60,7 +71,7 @@ class RemoteEncoder(TokenizingEncoder):
                 timeout=s["predictor_request_timeout_seconds"],
                 retries=s["predictor_request_retries"],
             )
-            self._send = grpc.infer
+            self.send = grpc.infer
         else:
             rest = InferenceRESTClient(
                 RESTConfig(
@@ -75,7 +86,7 @@ class RemoteEncoder(TokenizingEncoder):
             async def send(request: InferRequest) -> InferResponse:
                 return await rest.infer(base_url, request, model_name=self.config.model_name)
 
-            self._send = send
+            self.send = send
         logger.info("transformer mode: model runs on %s (%s)", self.host, self.protocol)
 
     def to_request(self, batch: BatchEncoding) -> InferRequest:
@@ -91,19 +102,50 @@ class RemoteEncoder(TokenizingEncoder):
             model_name=self.config.model_name, infer_inputs=inputs, request_id=str(uuid.uuid4())
         )
 
+    def preparing(self) -> AbstractContextManager[None]:
+        return nullcontext()  # no batch waits for this request: its rows get calls of their own
+
     def submit_rows(self, rows: list[Row], kind: str) -> Awaitable[list[Any]]:
-        self.loop = asyncio.get_running_loop()
-        return super().submit_rows(rows, kind)
+        return self.predict_rows(rows, kind)
+
+    async def predict_rows(self, rows: list[Row], kind: str) -> list[Any]:
+        """A request's rows, in as many predictor calls as the batch limits ask, run together;
+        a result per row, in order."""
+        size = self.config.max_batch_size or self.default_max_batch_size()
+        limits = BatchLimits(self.config.max_batch_tokens, size)
+        request = Request(rows, settle=lambda _: None, kind=kind)
+        plan = plan_batches([(request, index) for index in range(len(rows))], limits)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                parts = await asyncio.gather(
+                    *(self.predict_batch([rows[i] for _, i in part], kind) for part in plan)
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"predictor {self.host} did not answer within {self.timeout_s:g} s "
+                "(--predictor_request_timeout_seconds)"
+            ) from None
+        results: list[Any] = [None] * len(rows)
+        for part, answers in zip(plan, parts, strict=True):
+            for (_, index), answer in zip(part, answers, strict=True):
+                results[index] = answer
+        return results
+
+    async def predict_batch(self, rows: list[Row], kind: str) -> list[Any]:
+        batch = await self.off_loop(collate, rows, self.batcher.pad_values)
+        if self.calls is None:
+            self.calls = asyncio.Semaphore(self.config.max_concurrent_predictor_calls)
+        async with self.calls:
+            output = await self.run(batch)
+        return await self.off_loop(results_by_kind, self.task, output, batch, [kind] * len(rows))
 
     def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
-        """The predictor's answer for a merged batch: the call runs on the event loop."""
-        assert self.loop is not None, "rows are submitted on the event loop first"
-        return asyncio.run_coroutine_threadsafe(self.run(batch), self.loop).result()
+        raise NotImplementedError("the predictor runs the model: see predict_rows")
 
     async def run(self, batch: BatchEncoding) -> torch.Tensor:
-        assert self._send is not None, "load() first"
+        assert self.send is not None, "load() first"
         try:
-            response = await self._send(self.to_request(batch))
+            response = await self.send(self.to_request(batch))
         except (httpx.HTTPError, grpc.RpcError) as exc:
             raise UpstreamError(f"predictor {self.host} failed: {exc}") from exc
         return torch.from_numpy(response.outputs[0].as_numpy().copy())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +19,13 @@ from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
 from ..tasks import Task
-from .base import EncoderBackend, EncoderInputs
+from .base import EncoderBackend, EncoderInputs, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
 from .encoding import InputEncoder, Row
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 INLINE_TEXT_CHARS = 2048
 """Requests with at most this many characters of text are tokenized on the event loop."""
@@ -133,6 +136,23 @@ class TokenizingEncoder(EncoderBackend):
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
 
+    def shutdown(self) -> None:
+        """Stop serving for good (an unload, or the server stopping): requests not yet run
+        end with a 503 (:func:`.base.unloaded`), as do later ones; the batching and tokenizing
+        threads end; then the weights are let go (the tokenizer and the task stay: a request
+        under way may still read them)."""
+        batcher: EncoderBatcher | None = getattr(self, "batcher", None)
+        stopped = batcher is not None and batcher.close(unloaded(self.config.model_name))
+        self.tokenizing.shutdown(wait=True)  # what it tokenizes now is then refused
+        if stopped:
+            self.release_model()
+        elif batcher is not None:
+            logger.warning("the batcher did not stop in time: the weights stay loaded")
+
+    def release_model(self) -> None:
+        """Let go of what runs the model, once the batcher's thread has ended."""
+        release_weights(self)
+
     def default_max_batch_size(self) -> int:
         """Rows per forward pass without ``--max_batch_size``, once the model is loaded."""
         return DEFAULT_MAX_BATCH_SIZE
@@ -181,7 +201,11 @@ class TokenizingEncoder(EncoderBackend):
         is mostly Python under the GIL, so more threads would add little but contention with
         the event loop and the batcher's thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizing, partial(function, *args))
+        try:
+            future = loop.run_in_executor(self.tokenizing, partial(function, *args))
+        except RuntimeError:  # the executor is shut down: the backend is
+            raise unloaded(self.config.model_name) from None
+        return await future
 
     def prepare_rows(self, inputs: EncoderInputs) -> tuple[list[int], list[Row]]:
         """A request's inputs checked and tokenized (blocking: on the event loop only for small

@@ -30,7 +30,7 @@ from ..generation.sequence import ChoiceText, SequenceState
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
 from ..loop_calls import LoopCalls
 from ..tasks import Task
-from .base import GenerationBackend
+from .base import GenerationBackend, release_weights, unloaded
 from .continuous_batching import ContinuousBatcher, Request
 from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
 from .kv_cache import ReservedCache
@@ -292,7 +292,13 @@ class TransformersGenerator(GenerationBackend):
             request.cancelled.set()  # a consumer that left (closed or cancelled) stops the loop
 
     def shutdown(self) -> None:
-        """Stop the decode loop (when the model was loaded)."""
+        """Stop serving for good (an unload, or the server stopping), when the model was
+        loaded: requests waiting or decoding end with a 503, the decode loop's thread ends, and
+        the weights are let go (the tokenizer stays: a request under way may still read it)."""
         batcher = getattr(self, "batcher", None)
-        if batcher is not None:
-            batcher.close()
+        if batcher is None:
+            return
+        if batcher.close(unloaded(self.config.model_name)):
+            release_weights(self)
+        else:
+            logger.warning("the decode loop did not stop in time: the weights stay loaded")

@@ -8,6 +8,7 @@ code.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -16,6 +17,8 @@ import numpy as np
 from ..backends.encoding import Row
 from ..errors import BadRequest, NotReady, ServerError
 from ..generation.params import ChoiceDelta, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -109,6 +112,8 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     id: int
     status: int
     message: str
+    unexpected: bool = False
+    """Not one of our errors: the message is generic, the details are in the engine's log."""
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -136,15 +141,26 @@ class EngineError(ServerError):
     """An engine failure that carries no client fault (500)."""
 
 
+class EngineFault(Exception):
+    """An unexpected exception in the engine, told to the front without its details (those
+    stay in the engine's log): the front answers it as any unexpected error, a generic 500."""
+
+
 def failure(request_id: int, exc: BaseException) -> Failed:
-    """An exception raised in the engine, as the message that reports it."""
+    """An exception raised in the engine, as the message that reports it. One of ours keeps its
+    status and message; any other is logged here, traceback and all, and reported generically."""
     if isinstance(exc, ServerError):
         return Failed(request_id, int(exc.status_code), exc.message)
-    return Failed(request_id, 500, f"{type(exc).__name__}: {exc}")
+    logger.error("engine: request %d failed: %s: %s", request_id, type(exc).__name__, exc,
+                 exc_info=exc)  # fmt: skip
+    message = f"the engine failed on request {request_id}; its log has the details"
+    return Failed(request_id, 500, message, unexpected=True)
 
 
-def failure_error(failed: Failed) -> ServerError:
+def failure_error(failed: Failed) -> Exception:
     """What the engine reported, as the error class of its status."""
+    if failed.unexpected:
+        return EngineFault(failed.message)
     if failed.status == 400:
         return BadRequest(failed.message)
     if failed.status == 503:

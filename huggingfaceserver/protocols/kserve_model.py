@@ -43,16 +43,16 @@ class EncoderCall:
 
 @dataclass(frozen=True)
 class RequestLogging:
-    enabled: bool = True
-    max_len: int | None = None
+    enabled: bool
+    max_len: int
+    """Characters of the inputs' repr shown (``--max_log_len``)."""
 
     def log(self, call: EncoderCall, model: str) -> None:
-        """The request's inputs on its gateway log line, or on a line of their own."""
+        """The request's inputs, cut to ``max_len``, on its gateway log line, or on a line of
+        their own."""
         if not self.enabled:
             return
-        shown = repr(call.texts)
-        if self.max_len is not None and len(shown) > self.max_len:
-            shown = shown[: self.max_len] + "..."
+        shown = request_notes.preview(call.texts, self.max_len)
         detail = f"model={model} instances={len(call.texts)} {shown}"
         if not request_notes.add(detail):
             logger.info("request %s %s", call.request_id, detail)
@@ -88,6 +88,13 @@ class BackendModel(Model):
 
     async def explain(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
         raise BadRequest(f"model {self.name} has no explainer: use :predict")
+
+    def validate(self, payload: Any) -> Any:
+        """:meth:`preprocess` has checked the request already, into a call of our own; KServe's
+        check (by ``--predictor_protocol`` in transformer mode) would look for a V1/V2 dict."""
+        if isinstance(payload, EncoderCall):
+            return payload
+        return super().validate(payload)
 
     def stop(self) -> None:
         """KServe calls this on shutdown, once per name the model is registered under."""

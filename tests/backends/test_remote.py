@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.harness import REPO, client_for, free_port, load_model
+from tests.harness import REPO, client_for, free_port, load_model, run_server, wait_until
 
 TEXTS = ["the capital of france is paris .", "john lives in new york"]
 
@@ -31,25 +32,14 @@ def classifier(tiny_models, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def predictor(classifier, tmp_path_factory):
-    """The fake predictor process: (http host:port, grpc host:port, record file)."""
-    record = tmp_path_factory.mktemp("record") / "inputs.jsonl"
+def start_predictor(classifier: Path, record: Path, *extra: str):
+    """The fake predictor process, ready: (process, http host:port, grpc host:port)."""
     http_port, grpc_port = free_port(), free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "tests/fake_predictor.py",
-            str(classifier),
-            "clf",
-            str(http_port),
-            str(grpc_port),
-            str(record),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+        [sys.executable, "tests/fake_predictor.py", str(classifier), "clf", str(http_port),
+         str(grpc_port), str(record), *extra],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -60,7 +50,15 @@ def predictor(classifier, tmp_path_factory):
     else:
         process.kill()
         pytest.fail("fake predictor did not start")
-    yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", record
+    return process, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture(scope="module")
+def predictor(classifier, tmp_path_factory):
+    """The fake predictor process: (http host:port, grpc host:port, record file)."""
+    record = tmp_path_factory.mktemp("record") / "inputs.jsonl"
+    process, http, grpc = start_predictor(classifier, record)
+    yield http, grpc, record
     process.terminate()
     process.wait(timeout=30)
 
@@ -144,3 +142,46 @@ def test_v1_predictor_protocol_is_a_startup_error(classifier):
 
     with pytest.raises(StartupError, match="predictor_protocol"):
         load_model(["--model_dir", str(classifier), "--predictor_host", "localhost:1"])
+
+
+HUNG_WORD = "paris"
+"""A call whose input holds this word's token is never answered by the hanging predictor."""
+
+
+def test_a_hung_predictor_call_is_a_504_and_holds_up_no_other_request(classifier, tmp_path):
+    """A real server in transformer mode: while one request's predictor call hangs, others are
+    answered; the hung one gets a 504 at --predictor_request_timeout_seconds."""
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    hang_id = tokenizer.convert_tokens_to_ids(HUNG_WORD)
+    assert hang_id != tokenizer.unk_token_id  # a word of its own, not every unknown one
+    record = tmp_path / "inputs.jsonl"
+    process, http, _ = start_predictor(classifier, record, str(hang_id))
+    args = [
+        "--model_dir", str(classifier), "--model_name", "clf", "--predictor_host", http,
+        "--predictor_protocol", "v2", "--return_raw_logits",
+        "--predictor_request_timeout_seconds", "10", "--max_concurrent_predictor_calls", "2",
+    ]  # fmt: skip
+    try:
+        with run_server(args, tmp_path) as server:
+            url = f"{server.url}/v1/models/clf:predict"
+            with ThreadPoolExecutor(1) as pool:
+                hung = pool.submit(
+                    httpx.post, url, json={"instances": [f"the capital is {HUNG_WORD}"]},
+                    timeout=120,
+                )  # fmt: skip
+                # the hung call has reached the predictor (it records each call first)
+                assert wait_until(lambda: record.exists() and record.read_text().strip(), 60)
+                for _ in range(5):
+                    answered = httpx.post(url, json={"instances": TEXTS[1:]}, timeout=60)
+                    assert answered.status_code == 200, answered.text
+                    assert not hung.done()
+                response = hung.result(timeout=120)
+            assert response.status_code == 504, response.text
+            assert "--predictor_request_timeout_seconds" in response.json()["error"]
+            after = httpx.post(url, json={"instances": TEXTS[1:]}, timeout=60)
+            assert after.status_code == 200
+            got = torch.tensor([list(d.values()) for d in after.json()["predictions"]])
+            assert torch.allclose(got, reference_logits(classifier, TEXTS[1:]), atol=1e-5)
+    finally:
+        process.kill()  # its hung call would hold up a graceful stop
+        process.wait(timeout=30)

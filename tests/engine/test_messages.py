@@ -12,6 +12,7 @@ from huggingfaceserver.engine.messages import (
     Deltas,
     Encode,
     EngineError,
+    EngineFault,
     EngineState,
     Failed,
     Finished,
@@ -26,7 +27,13 @@ from huggingfaceserver.engine.messages import (
     pack_rows,
     unpack_rows,
 )
-from huggingfaceserver.errors import BadRequest, ClientClosedRequest, NotFound, NotReady
+from huggingfaceserver.errors import (
+    BadRequest,
+    ClientClosedRequest,
+    NotFound,
+    NotReady,
+    ServerError,
+)
 from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams, TokenLogprob
 
 
@@ -150,9 +157,8 @@ def test_anything_but_our_messages_is_a_decode_error(payload):
     [
         (BadRequest("input 0 has no tokens"), 400, BadRequest),
         (NotReady("the model is not loaded"), 503, NotReady),
-        (RuntimeError("CUDA out of memory"), 500, EngineError),
     ],
-    ids=["bad-request", "not-ready", "unexpected"],
+    ids=["bad-request", "not-ready"],
 )
 def test_a_failure_is_raised_in_the_front_with_its_status(error, status, kind):
     failed = failure(11, error)
@@ -165,8 +171,19 @@ def test_a_failure_is_raised_in_the_front_with_its_status(error, status, kind):
     assert str(error) in raised.message
 
 
-def test_an_unexpected_exception_is_reported_with_its_type():
-    assert failure(1, ValueError("bad shape")).message == "ValueError: bad shape"
+def test_an_unexpected_exception_stays_in_the_engine_log(caplog):
+    """Not one of ours: the front gets a generic fault (answered as any unexpected error, a
+    generic 500); the exception, with its traceback, is logged in the engine."""
+    try:
+        raise RuntimeError("CUDA out of memory at 0xdeadbeef")
+    except RuntimeError as exc:
+        failed = failure(11, exc)
+    [back] = decode(encode([failed]))
+    raised = failure_error(back)
+    assert type(raised) is EngineFault and not isinstance(raised, ServerError)
+    assert "0xdeadbeef" not in str(raised) and "11" in str(raised)
+    [record] = [r for r in caplog.records if r.name.endswith("engine.messages")]
+    assert "0xdeadbeef" in record.getMessage() and record.exc_info is not None
 
 
 @pytest.mark.parametrize("error", [NotFound("no such adapter"), ClientClosedRequest("gone")])

@@ -144,9 +144,9 @@ class OnnxEncoder(TransformersEncoder):
         )
         return session
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.session = None  # the session holds the weights
+    def release_model(self) -> None:
+        self.session = None  # the session holds the weights (and its threads)
+        super().release_model()
 
     def default_max_batch_size(self) -> int:
         if self.session is None:

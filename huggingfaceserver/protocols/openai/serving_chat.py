@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,7 +14,7 @@ from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...errors import ServerError
+from ...errors import ServerError, internal_error_message, log_unexpected, request_id_in
 from ...generation.params import ChoiceDelta, SamplingParams
 from .bodies import JSONBody, new_id, now, to_json
 from .errors import InvalidParameter, OpenAIErrorResponse
@@ -52,8 +51,6 @@ from .serving_generation import (
 )
 from .tools import ToolPlan, ToolStream, plan_tools, tool_call_dicts
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class Exchange:
@@ -66,6 +63,8 @@ class Exchange:
     jobs: list[Job]
     include_usage: bool
     want_logprobs: bool
+    x_request_id: str
+    """The gateway's request id (``request_id`` is the response's own id)."""
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -83,9 +82,13 @@ class Exchange:
         backend: GenerationBackend,
         jobs: list[Job],
         include_usage: bool,
+        raw: Request,
     ) -> Exchange:
         want_logprobs = jobs[0].params.logprobs is not None
-        return cls(new_id(id_prefix), model, now(), backend, jobs, include_usage, want_logprobs)
+        return cls(
+            new_id(id_prefix), model, now(), backend, jobs, include_usage, want_logprobs,
+            request_id_in(raw.headers),
+        )  # fmt: skip
 
     def respond(
         self, build: Callable[..., BaseModel], choices: list[Any], states: list[ChoiceState]
@@ -110,7 +113,9 @@ async def create_completion(
     params = request.to_sampling_params()
     prompts = await prepare_completion(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, prompts, params, "prompt", adapter)
-    exchange = Exchange.start("cmpl", adapter or model.name, backend, jobs, request.include_usage)
+    exchange = Exchange.start(
+        "cmpl", adapter or model.name, backend, jobs, request.include_usage, raw
+    )
     echo = bool(request.echo)
     if echo:
         await asyncio.to_thread(fill_prompt_texts, backend.tokenizer, jobs)
@@ -161,7 +166,7 @@ async def create_chat_completion(
     prompt = await prepare_chat(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, [prompt], params, "messages", adapter)
     exchange = Exchange.start(
-        "chatcmpl", adapter or model.name, backend, jobs, request.include_usage
+        "chatcmpl", adapter or model.name, backend, jobs, request.include_usage, raw
     )
     if request.stream:
         return event_stream(chat_events(exchange, tools))
@@ -226,9 +231,10 @@ async def framed(
             yield sse(chunk(*ids, usage=usage))
     except ServerError as exc:
         yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
-    except Exception:  # the stream has started: report it in-band, never cut the connection
-        logger.exception("generation failed in request %s", exchange.request_id)
-        yield sse(OpenAIErrorResponse.build("generation failed", 500).model_dump())
+    except Exception as exc:  # the stream has started: report it in-band, never cut it
+        log_unexpected(exchange.x_request_id, exc)
+        message = internal_error_message(exchange.x_request_id)
+        yield sse(OpenAIErrorResponse.build(message, 500).model_dump())
     yield SSE_DONE
 
 
