@@ -7,6 +7,7 @@ maps them to ``INVALID_ARGUMENT`` without a handler of ours.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request, Response
@@ -189,18 +190,8 @@ class UnexpectedErrors:
         except Exception as exc:
             request_id = request_id_in(Headers(scope=scope))
             log_unexpected(request_id, exc)
-            if sent.finished:
-                return
             body = internal_error_body(scope["path"], request_id)
-            if not sent.started:
-                headers = [(b"content-type", b"application/json")]
-                headers.append((b"content-length", str(len(body)).encode()))
-                await send({"type": "http.response.start", "status": 500, "headers": headers})
-            elif sent.streaming:
-                body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
-            else:  # part of another body went out: all that can be done is to end it
-                body = b""
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            await end_with_error(sending, sent, HTTPStatus.INTERNAL_SERVER_ERROR, body)
 
 
 class ResponseState:
@@ -218,6 +209,29 @@ class ResponseState:
             )
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.finished = True
+
+
+async def end_with_error(
+    send: Send,
+    sent: ResponseState,
+    status: int,
+    body: bytes,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """Answer ``status`` with the JSON error ``body`` (and ``headers``) if no response started;
+    else end the one under way: a stream with the error as its last event and ``[DONE]``,
+    any other body where it stands (all that can be done once part of it went out)."""
+    if sent.finished:
+        return
+    if not sent.started:
+        start = [(b"content-type", b"application/json")]
+        start += [(b"content-length", str(len(body)).encode()), *headers]
+        await send({"type": "http.response.start", "status": status, "headers": start})
+    elif sent.streaming:
+        body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    else:
+        body = b""
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def outermost_error_handler(request: Request, exc: Exception) -> Response:

@@ -38,6 +38,7 @@ from typing import Any
 
 from . import metrics, request_notes
 from .admission import Admission
+from .errors import ResponseState, end_with_error
 from .protocols.kserve_model import new_request_id
 from .shared_count import SharedCount
 
@@ -139,30 +140,21 @@ class Refusal(Exception):
         self.headers = headers or {}
 
 
-class Exchange:
-    """One request's response as it goes out: status, whether it started, its id header."""
+class Exchange(ResponseState):
+    """One request's response as it goes out: how far it went, its status, its id header."""
 
     def __init__(self, send: Send, request_id: str):
+        super().__init__()
         self._send = send
         self.request_id = request_id.encode("latin-1")
         self.status = 0
-        self.started = False
-        self.finished = False
-        self.streaming = False
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
-            self.started = True
             self.status = message["status"]
-            headers = list(message.get("headers", []))
-            headers.append((b"x-request-id", self.request_id))
-            self.streaming = any(
-                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                for k, v in headers
-            )
+            headers = [*message.get("headers", []), (b"x-request-id", self.request_id)]
             message = {**message, "headers": headers}
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.finished = True
+        self.saw(message)
         await self._send(message)
 
 
@@ -372,30 +364,17 @@ class Gateway:
         """Past the deadline: a 504, or (a response already under way) its end."""
         seconds = self.policy.request_timeout_s
         message = f"the request took longer than {seconds:g} s (--request_timeout_seconds)"
-        if not exchange.started:
-            await self.refuse(scope, exchange, Refusal(HTTPStatus.GATEWAY_TIMEOUT, message))
-            return
-        tail = b""
-        if exchange.streaming:
-            event = error_body(scope["path"], self.policy.openai_prefix, 504, message)
-            tail = b"data: " + event + b"\n\ndata: [DONE]\n\n"
-        if not exchange.finished:
-            await exchange.send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self.refuse(scope, exchange, Refusal(HTTPStatus.GATEWAY_TIMEOUT, message))
         exchange.status = HTTPStatus.GATEWAY_TIMEOUT
 
     async def refuse(self, scope: Scope, exchange: Exchange, refusal: Refusal) -> None:
+        """The refusal in the route's error shape; a response already under way (a deadline
+        passed mid-stream) is ended with it instead."""
         body = error_body(scope["path"], self.policy.openai_prefix, refusal.status, refusal.message)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        headers += [(k.encode(), v.encode()) for k, v in refusal.headers.items()]
+        headers = [(k.encode(), v.encode()) for k, v in refusal.headers.items()]
         if refusal.status == HTTPStatus.SERVICE_UNAVAILABLE:
             headers.append((b"connection", b"close"))
-        await exchange.send(
-            {"type": "http.response.start", "status": refusal.status, "headers": headers}
-        )
-        await exchange.send({"type": "http.response.body", "body": body, "more_body": False})
+        await end_with_error(exchange.send, exchange, refusal.status, body, headers)
 
     def done(self, scope: Scope, exchange: Exchange, seconds: float, notes: list[str]) -> None:
         if scope["path"] not in OPEN_PATHS:
