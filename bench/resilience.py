@@ -158,13 +158,6 @@ class ResilienceResult:
         ]
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def timed_requests(url: str, requests: int = REQUESTS) -> tuple[list[float], list[int]]:
     latencies, statuses = [], []
     for _ in range(requests):
@@ -204,19 +197,19 @@ def stall_round(running: server.Server) -> StallRound:
     pid = running.process.pid
     result = StallRound()
     result.quiet_ms, _ = timed_requests(running.url)
-    before = rss_mb(pid)
+    before = server.rss_mb(pid)
     stalled = [stall(running.http_port) for _ in range(STALLED)]
     opened = time.monotonic()
     try:
         result.stalled_ms, result.statuses = timed_requests(running.url)
-        during = rss_mb(pid)
+        during = server.rss_mb(pid)
         answers = [read_to_end(sock) for sock in stalled]
         result.closed_after_s = time.monotonic() - opened
     finally:
         for sock in stalled:
             sock.close()
     result.closed_408 = sum(answer.startswith(b"HTTP/1.1 408") for answer in answers)
-    result.rss_mb = (before, during, rss_mb(pid))
+    result.rss_mb = (before, during, server.rss_mb(pid))
     return result
 
 
@@ -236,7 +229,7 @@ def reload_cycles(running: server.Server) -> Reloads:
         _, statuses = timed_requests(running.url, requests=1)
         if statuses != [200]:
             result.failures.append(f"predict {statuses}")
-        result.rss_mb.append(rss_mb(pid))
+        result.rss_mb.append(server.rss_mb(pid))
         result.threads.append(threads(pid))
     return result
 

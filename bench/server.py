@@ -119,7 +119,7 @@ def stop(server: Server) -> None:
     try:
         server.process.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        for pid in reversed(_family(server.process.pid)):
+        for pid in reversed(family(server.process.pid)):
             with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         server.process.wait()
@@ -153,22 +153,24 @@ def _children(pid: int) -> list[int]:
         try:
             found += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
-            continue
+            continue  # the thread has just exited
     return found
 
 
-def _vm_hwm_kb(pid: int) -> int:
+def status_kib(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``); 0 once the process is
+    gone (or a zombie, which has none)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
     for line in status.splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
 
-def _family(pid: int) -> list[int]:
+def family(pid: int) -> list[int]:
     """``pid`` and all its descendants."""
     pending, found = [pid], []
     while pending:
@@ -180,12 +182,22 @@ def _family(pid: int) -> list[int]:
 
 def family_size(pid: int) -> int:
     """How many processes ``pid`` and its descendants are."""
-    return len(_family(pid))
+    return len(family(pid))
 
 
 def peak_rss_mb(pid: int) -> float:
     """Peak resident memory (VmHWM) of ``pid`` and all its descendants, in MiB."""
-    return sum(_vm_hwm_kb(member) for member in _family(pid)) / 1024
+    return sum(status_kib(member, "VmHWM") for member in family(pid)) / 1024
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory (VmRSS) of ``pid`` alone, in MiB."""
+    return status_kib(pid, "VmRSS") / 1024
+
+
+def family_rss_mb(pid: int) -> float:
+    """Resident memory (VmRSS) of ``pid`` and all its descendants, in MiB."""
+    return sum(status_kib(member, "VmRSS") for member in family(pid)) / 1024
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -199,4 +211,4 @@ def _cpu_ticks(pid: int) -> int:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time used so far by ``pid`` and its live descendants, in seconds."""
-    return sum(_cpu_ticks(member) for member in _family(pid)) / os.sysconf("SC_CLK_TCK")
+    return sum(_cpu_ticks(member) for member in family(pid)) / os.sysconf("SC_CLK_TCK")

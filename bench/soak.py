@@ -79,35 +79,6 @@ MiB = 1024 * 1024
 # --- memory -------------------------------------------------------------------------------
 
 
-def family_pids(pid: int) -> list[int]:
-    """``pid`` and all its descendants (from /proc/PID/task/*/children)."""
-    pending, found = [pid], []
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                pending += [int(child) for child in task.read_text().split()]
-            except OSError:
-                continue  # the thread has just exited
-    return found
-
-
-def vmrss_kib(pid: int) -> int:
-    """A process's resident memory; 0 once it is gone (or a zombie, which has no VmRSS)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    lines = [line for line in status.splitlines() if line.startswith("VmRSS:")]
-    return int(lines[0].split()[1]) if lines else 0
-
-
-def family_rss_mib(pid: int) -> float:
-    """The resident memory of ``pid`` and every process under it, in MiB."""
-    return sum(vmrss_kib(member) for member in family_pids(pid)) / 1024
-
-
 @dataclass(frozen=True)
 class RssSample:
     at_s: float
@@ -329,7 +300,7 @@ async def sample_rss(
     while True:
         at = time.monotonic() - started
         for label, pid in families.items():
-            rss[label].append(RssSample(at, family_rss_mib(pid)))
+            rss[label].append(RssSample(at, server.family_rss_mb(pid)))
         try:
             await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
             return rss

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench import soak
+from bench.server import family as process_family
+from bench.server import family_rss_mb, status_kib
 from bench.soak import RssSample, second_half_trend
 from bench.soak_requests import ENCODER_KINDS, GENERATION_KINDS, Servers
 
@@ -51,17 +53,17 @@ def servers(tiny_models: dict[str, Path], tmp_path_factory) -> Iterator[Servers]
 
 def test_family_rss_counts_the_descendants():
     """A child holding 64 MiB shows in its parent's family, and is gone from it once it exits."""
-    before = soak.family_rss_mib(os.getpid())
+    before = family_rss_mb(os.getpid())
     holder = "import sys; b = bytearray(64 << 20); print('held', flush=True); sys.stdin.read()"
     with subprocess.Popen(
         [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as child:
         assert child.stdout is not None and child.stdout.readline() == "held\n"
-        during = soak.family_rss_mib(os.getpid())
-        assert child.pid in soak.family_pids(os.getpid())
+        during = family_rss_mb(os.getpid())
+        assert child.pid in process_family(os.getpid())
         child.communicate("")
     assert during - before > 64
-    assert soak.family_rss_mib(os.getpid()) < during - 64
+    assert family_rss_mb(os.getpid()) < during - 64
 
 
 def samples(mib_at: Sequence[float], every_s: float = 1.0) -> list[RssSample]:
@@ -108,7 +110,7 @@ def test_mixed_load_is_answered_and_memory_stays_flat(servers: Servers):
     for kind, tally in result.tallies.items():
         assert tally.requests >= MIN_REQUESTS, (kind, tally.requests)
     for family, pid in servers.families.items():
-        assert soak.vmrss_kib(pid) > 0, f"the {family} server has exited"
+        assert status_kib(pid, "VmRSS") > 0, f"the {family} server has exited"
         assert len(result.rss[family]) >= DURATION_S / 3  # the sampler kept up
         trend = result.trend(family)
         assert trend.slope_mib_per_min <= trend.slope_limit, (family, trend)
