@@ -21,13 +21,19 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    BertConfig,
     BertForSequenceClassification,
 )
 
 from .harness import ServerProcess, run_server, wait_until
 from .prometheus import scrape
-from .tiny_models import CORPUS, MAX_LENGTH, SEED, build_llama, train_wordpiece_tokenizer
+from .tiny_models import (
+    CORPUS,
+    _bert_config,
+    _labels,
+    _save_model,
+    build_llama,
+    train_wordpiece_tokenizer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -55,20 +61,10 @@ def build_big_classifier(out_dir: Path) -> Path:
     read by each forward pass, so all are resident (a large embedding matrix whose rows no
     token reaches would stay on disk, in its file's mapping)."""
     tokenizer = train_wordpiece_tokenizer(out_dir)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=768,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=3072,
-        max_position_embeddings=MAX_LENGTH,
-        pad_token_id=tokenizer.pad_token_id,
-        id2label={0: "negative", 1: "positive"},
-        label2id={"negative": 0, "positive": 1},
-    )
-    torch.manual_seed(SEED)
-    BertForSequenceClassification(config).eval().save_pretrained(out_dir)
-    return out_dir
+    sizes = {"hidden_size": 768, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "intermediate_size": 3072}  # fmt: skip
+    config = _bert_config(tokenizer, **sizes, **_labels(["negative", "positive"]))
+    return _save_model(BertForSequenceClassification, config, out_dir)
 
 
 def weights_mib(folder: Path) -> float:

@@ -238,16 +238,14 @@ def train_t5_tokenizer(out_dir: str | Path) -> T5Tokenizer:
 
 
 def _bert_config(tokenizer, **kwargs):
-    """Return a tiny BERT config sized for ``tokenizer``."""
+    """Return a BERT config sized for ``tokenizer``: tiny, unless ``kwargs`` say otherwise."""
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 37}  # fmt: skip
     return BertConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
         max_position_embeddings=MAX_LENGTH,
         pad_token_id=tokenizer.pad_token_id,
-        **kwargs,
+        **{**sizes, **kwargs},
     )
 
 
