@@ -59,8 +59,9 @@ class RemoteEncoder(TokenizingEncoder):
             )
         self.send: Send | None = None
         self.timeout_s = float(s["predictor_request_timeout_seconds"])
-        self.calls: asyncio.Semaphore | None = None
-        """At most ``--max_concurrent_predictor_calls`` in flight (made on the serving loop)."""
+        self.calls = asyncio.Semaphore(config.max_concurrent_predictor_calls)
+        """At most ``--max_concurrent_predictor_calls`` in flight (it binds to the loop that
+        first waits on it: the serving loop)."""
 
     def load_model(self) -> None:
         s = self.config.server
@@ -133,8 +134,6 @@ class RemoteEncoder(TokenizingEncoder):
 
     async def predict_batch(self, rows: list[Row], kind: str) -> list[Any]:
         batch = await self.off_loop(collate, rows, self.batcher.pad_values)
-        if self.calls is None:
-            self.calls = asyncio.Semaphore(self.config.max_concurrent_predictor_calls)
         async with self.calls:
             output = await self.run(batch)
         return await self.off_loop(results_by_kind, self.task, output, batch, [kind] * len(rows))
