@@ -241,9 +241,18 @@ def prompt_logprobs_json(
     return out
 
 
+LINE_BREAKS_JSON_LEAVES = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+"""Characters JSON writes as they are (inside strings) but that ``str.splitlines`` breaks lines
+at: a client that reads the stream with it (httpx's ``iter_lines``) would get a cut event.
+Escaped, the JSON means the same."""
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One Server-Sent Event of JSON data."""
+    """One Server-Sent Event of JSON data, on one line for every line splitter."""
     text = to_json(payload) if isinstance(payload, BaseModel) else json.dumps(payload)
+    for char, escaped in LINE_BREAKS_JSON_LEAVES:
+        if char in text:
+            text = text.replace(char, escaped)
     return f"data: {text}\n\n"
 
 

@@ -314,3 +314,21 @@ def test_ids_and_timestamps():
     assert bodies.new_id("chatcmpl").startswith("chatcmpl-")
     assert bodies.new_id("cmpl") != bodies.new_id("cmpl")
     assert math.isclose(bodies.now(), bodies.now(), abs_tol=2)
+
+
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029"])
+def test_an_event_stays_one_line_for_every_line_splitter(char):
+    """JSON leaves these as they are inside strings, but ``str.splitlines`` (httpx's
+    ``iter_lines``) breaks lines at them: the event escapes them and means the same."""
+    from pydantic import BaseModel
+
+    from huggingfaceserver.protocols.openai.serving_generation import sse
+
+    class Delta(BaseModel):
+        content: str
+
+    for payload in (Delta(content=f"a{char}b"), {"content": f"a{char}b"}):
+        event = sse(payload)
+        [line, blank] = event.splitlines()
+        assert blank == "" and line.startswith("data: ")
+        assert json.loads(line.removeprefix("data: ")) == {"content": f"a{char}b"}
