@@ -1,10 +1,16 @@
 """Prometheus metrics in-process: the HTTP figures the middleware reports, the encoder batcher's,
 the decode loop's under vLLM's names (token counts checked against the tokenizer), KServe's
-histograms, and the weighted histogram update the decode loop relies on."""
+histograms, and the decode step's inter-token histogram (the same as plain observations, in one
+process and summed over processes that share a folder)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -12,13 +18,14 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from transformers import AutoTokenizer
 
 from huggingfaceserver import metrics
 from huggingfaceserver.backends.batching import BatchLimits, EncoderBatcher
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.protocols.kserve_model import BackendModel
-from tests.harness import client_for, load_model, wait_until
+from tests.harness import REPO, client_for, load_model, wait_until
 from tests.prometheus import Samples
 
 ROUTE = "/v1/models/{model_name}:predict"
@@ -33,20 +40,77 @@ def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return after.value(name, **labels) - before.value(name, **labels)
 
 
-def test_observe_many_equals_that_many_observations():
+INTER_TOKEN = "vllm:inter_token_latency_seconds"
+SINCE_LAST_TOKEN = (0.03, 0.03, 0.03, 0.35, 9.0, 9.0, 100.0)
+"""Seconds since each request's last token before a decode step: three requests share one
+previous token time (several observations of one amount at once), the rest span the buckets."""
+
+STEP_IN_A_PROCESS = """
+import json, sys, time
+from huggingfaceserver.metrics import DecodeLoopMetrics, Timeline
+decode = DecodeLoopMetrics(sys.argv[1])
+start = time.perf_counter()
+timelines = [Timeline(last_token=start - ago) for ago in json.loads(sys.argv[2])]
+previous = [timeline.last_token for timeline in timelines]
+decode.step(timelines, len(timelines))
+print(json.dumps([t.last_token - p for t, p in zip(timelines, previous, strict=True)]))
+"""
+"""One decode step in a process of its own; prints the intervals the step observed."""
+
+
+def histogram_of(text: str, family: str, **labels: str) -> dict[tuple[str, str], float]:
+    """One histogram series of a scrape: (sample suffix, ``le``) -> value."""
+    return {
+        (name[len(family) :], sample_labels.get("le", "")): value
+        for name, sample_labels, value in Samples.parse(text).samples
+        if name.startswith(family)
+        and not name.endswith("_created")
+        and all(sample_labels.get(k) == v for k, v in labels.items())
+    }
+
+
+def observed_one_by_one(intervals: Sequence[float]) -> dict[tuple[str, str], float]:
+    """The inter-token histogram that plain ``observe`` calls of ``intervals`` give."""
     registry = CollectorRegistry()
-    one_by_one = Histogram("one", "", buckets=(0.1, 1.0), registry=registry)
-    weighted = Histogram("many", "", buckets=(0.1, 1.0), registry=registry)
-    for amount, count in [(0.05, 3), (0.1, 2), (0.5, 4), (7.0, 1)]:
-        for _ in range(count):
-            one_by_one.observe(amount)
-        metrics.observe_many(weighted, amount, count)
-    samples = Samples.parse(generate_latest(registry).decode()).samples
-    kept = [(n, labels, v) for n, labels, v in samples if not n.endswith("_created")]
-    ones = [(n[len("one") :], labels, v) for n, labels, v in kept if n.startswith("one")]
-    manys = [(n[len("many") :], labels, v) for n, labels, v in kept if n.startswith("many")]
-    assert ones == manys
-    assert ("_count", {}, 10.0) in ones
+    reference = Histogram("reference", "", buckets=metrics.TOKEN_LATENCY_BUCKETS, registry=registry)
+    for interval in intervals:
+        reference.observe(interval)
+    return histogram_of(generate_latest(registry).decode(), "reference")
+
+
+def test_a_decode_step_observes_each_requests_interval():
+    labels = {"model_name": "unit-decode", "engine": "0"}
+    decode = metrics.DecodeLoopMetrics(labels["model_name"])
+    start = time.perf_counter()
+    timelines = [metrics.Timeline(last_token=start - ago) for ago in SINCE_LAST_TOKEN]
+    previous = [timeline.last_token for timeline in timelines]
+    before = histogram_of(generate_latest(REGISTRY).decode(), INTER_TOKEN, **labels)
+    decode.step(timelines, len(timelines))
+    after = histogram_of(generate_latest(REGISTRY).decode(), INTER_TOKEN, **labels)
+    intervals = [t.last_token - p for t, p in zip(timelines, previous, strict=True)]
+    expected = observed_one_by_one(intervals)
+    assert expected[("_count", "")] == len(SINCE_LAST_TOKEN)
+    assert {key: after[key] - before.get(key, 0) for key in after} == pytest.approx(expected)
+
+
+def test_decode_steps_in_processes_that_share_a_folder_add_up(tmp_path: Path):
+    """As with ``--api_workers`` > 1: each process writes its own file, ``/metrics`` sums them."""
+    labels = {"model_name": "unit-decode-shared", "engine": "0"}
+    intervals: list[float] = []
+    with metrics.shared_across_processes(str(tmp_path)):
+        for _ in range(2):
+            step = subprocess.run(
+                [sys.executable, "-c", STEP_IN_A_PROCESS, labels["model_name"],
+                 json.dumps(SINCE_LAST_TOKEN)],
+                cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+            )  # fmt: skip
+            intervals += json.loads(step.stdout)
+    combined = CollectorRegistry()
+    MultiProcessCollector(combined, path=str(tmp_path))
+    shared = histogram_of(generate_latest(combined).decode(), INTER_TOKEN, **labels)
+    expected = observed_one_by_one(intervals)
+    assert expected[("_count", "")] == 2 * len(SINCE_LAST_TOKEN)
+    assert shared == pytest.approx(expected)
 
 
 def test_http_requests_move_the_counter_the_latency_and_the_in_flight_gauge():
