@@ -1,7 +1,7 @@
 """What every OpenAI response body shares: ids, timestamps and one-pass JSON serialization.
 
-Without the ``openai`` SDK: an encoder server never imports it (its types take about a second to
-import); generation responses, built from those types, are in :mod:`.responses`.
+The response models themselves are in :mod:`.responses` (completions and chat) and
+:mod:`.encoder_responses` (embeddings and rerank).
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Completions use parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` as
 ``{token: logprob}`` dicts, ``text_offset``); chat uses one object per token with the token's
 UTF-8 ``bytes`` and a ``top_logprobs`` list. Turning token ids into text is the caller's job.
+
+The models declare the fields of the ``openai`` SDK's ``completion_choice.Logprobs``,
+``ChatCompletionTokenLogprob`` and ``TopLogprob``, in the same order, without importing it
+(tests/protocols/openai/test_responses.py parses their JSON with the SDK's types).
 """
 
 from __future__ import annotations
@@ -11,15 +15,10 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from openai.types.chat import ChatCompletionTokenLogprob
-from openai.types.chat.chat_completion_token_logprob import TopLogprob
-from openai.types.completion_choice import Logprobs
+from pydantic import BaseModel
 
 FLOOR_LOGPROB = -9999.0
 """What OpenAI sends for a token too unlikely to matter; JSON has no ``-Infinity``."""
-
-ChatLogprobs = list[ChatCompletionTokenLogprob]
-"""The ``logprobs.content`` of one chat choice (or of one stream delta)."""
 
 
 class TokenLogprobText(NamedTuple):
@@ -31,12 +30,35 @@ class TokenLogprobText(NamedTuple):
     top: Sequence[tuple[str, float]] | None = ()
 
 
-class EchoedLogprobs(Logprobs):
-    """The completions format, widened to the nulls of an echoed prompt's first token (as
-    OpenAI and vLLM send them)."""
+class CompletionLogprobs(BaseModel):
+    """The completions format: parallel lists, one entry per token. An echoed prompt's first
+    token has a null logprob and null alternatives (as OpenAI and vLLM send them)."""
 
-    token_logprobs: list[float | None] | None = None  # type: ignore[assignment]
-    top_logprobs: list[dict[str, float] | None] | None = None  # type: ignore[assignment]
+    text_offset: list[int] | None = None
+    token_logprobs: list[float | None] | None = None
+    tokens: list[str] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position (chat format)."""
+
+    token: str
+    bytes: list[int] | None = None
+    logprob: float
+
+
+class ChatTokenLogprob(BaseModel):
+    """One token of a chat choice, with its top alternatives."""
+
+    token: str
+    bytes: list[int] | None = None
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+ChatLogprobs = list[ChatTokenLogprob]
+"""The ``logprobs.content`` of one chat choice (or of one stream delta)."""
 
 
 def json_logprob(logprob: float) -> float:
@@ -48,7 +70,7 @@ def json_logprob(logprob: float) -> float:
 
 def completion_logprobs(
     entries: Sequence[TokenLogprobText], text_offset: int = 0
-) -> EchoedLogprobs:
+) -> CompletionLogprobs:
     """The completions format for ``entries``.
 
     ``text_offset`` is where the first token starts in the choice's text (the length of the text
@@ -66,7 +88,7 @@ def completion_logprobs(
         )
         offsets.append(text_offset)
         text_offset += len(token)
-    return EchoedLogprobs(
+    return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=token_logprobs,
         top_logprobs=top_logprobs,
@@ -78,7 +100,7 @@ def chat_logprobs(entries: Sequence[TokenLogprobText]) -> ChatLogprobs:
     """The chat format for ``entries`` (generated tokens: each has a logprob): pass it to the
     chat choice builders."""
     return [
-        ChatCompletionTokenLogprob(
+        ChatTokenLogprob(
             token=token,
             bytes=list(token.encode("utf-8")),
             logprob=json_logprob(logprob if logprob is not None else math.nan),

@@ -1,11 +1,12 @@
-"""Completion and chat responses, built from the ``openai`` package's own types so that the SDK
-parses them (encoder responses, without the SDK, are in :mod:`.encoder_responses`).
+"""Completion and chat responses: our own models of the OpenAI wire format (encoder responses
+are in :mod:`.encoder_responses`).
 
-SDK types narrower than what the API sends are widened by subclasses here: a streamed
-completion choice has ``finish_reason: null`` until its last chunk
-(:class:`CompletionStreamChoice`); an echoed prompt's first token has a null logprob, and
-vLLM's ``prompt_logprobs`` extension adds a field (:class:`ScoredCompletionChoice`, and
-``prompt_logprobs`` on a chat completion).
+Each model declares the fields we send of its ``openai`` SDK counterpart, in the same order and
+with the same names, so that the SDK parses the JSON (tests/protocols/openai/test_responses.py
+parses it with the SDK's types) while an SDK release cannot change what we send. Where we send
+more than the SDK declares: a streamed choice has ``finish_reason: null`` until its last chunk,
+an echoed prompt's first token has a null logprob, and vLLM's ``prompt_logprobs`` extension adds
+a field to completion choices and chat completions.
 
 Serialize with :func:`~.bodies.to_json`: the builders set exactly the fields that belong in the
 JSON (``exclude_unset``), so a chat delta carries ``role`` only when asked to and stream chunks
@@ -17,18 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionMessage,
-    chat_completion,
-    chat_completion_chunk,
-)
-from openai.types.completion_choice import Logprobs
+from pydantic import BaseModel
 
 from .bodies import now
-from .logprobs import ChatLogprobs, EchoedLogprobs
+from .logprobs import ChatLogprobs, CompletionLogprobs
 
 PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 """vLLM's ``prompt_logprobs``: per prompt token (None for the first), ``{token id: {"logprob",
@@ -36,6 +29,14 @@ PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 CompletionFinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CompletionUsage(BaseModel):
+    """The ``usage`` of a completion or chat response (the SDK's ``CompletionUsage``)."""
+
+    completion_tokens: int
+    prompt_tokens: int
+    total_tokens: int
 
 
 def completion_usage(prompt_tokens: int, completion_tokens: int) -> CompletionUsage:
@@ -50,46 +51,65 @@ def completion_usage(prompt_tokens: int, completion_tokens: int) -> CompletionUs
 # --- completions ---------------------------------------------------------------------------
 
 
-class CompletionStreamChoice(CompletionChoice):
-    """A streamed completion choice: ``finish_reason`` stays null until the choice's last chunk."""
-
-    finish_reason: Literal["stop", "length", "content_filter"] | None = None  # type: ignore[assignment]
-
-
-class ScoredCompletionChoice(CompletionChoice):
+class ScoredCompletionChoice(BaseModel):
     """A finished completion choice: logprobs may start with an echoed prompt's null, and
     ``prompt_logprobs`` (vLLM's extension) is set when asked for."""
 
-    logprobs: EchoedLogprobs | None = None  # type: ignore[assignment]
+    finish_reason: CompletionFinishReason
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    text: str
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class ScoredCompletion(Completion):
-    """A whole completion, of :class:`ScoredCompletionChoice` choices."""
+class ScoredCompletion(BaseModel):
+    """A whole completion (the SDK's ``Completion``), of :class:`ScoredCompletionChoice`
+    choices."""
 
-    choices: list[ScoredCompletionChoice]  # type: ignore[assignment]
+    id: str
+    choices: list[ScoredCompletionChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"]
+    usage: CompletionUsage
 
 
-class CompletionChunk(Completion):
-    """One streamed completion chunk: a completion whose choices may be unfinished."""
+class CompletionStreamChoice(BaseModel):
+    """A streamed completion choice: ``finish_reason`` stays null until the choice's last chunk."""
 
-    choices: list[CompletionStreamChoice]  # type: ignore[assignment]
+    finish_reason: CompletionFinishReason | None = None
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    text: str
+
+
+class CompletionChunk(BaseModel):
+    """One streamed completion chunk (the SDK parses it as a ``Completion``): a choice's
+    delta, or no choice and the usage."""
+
+    id: str
+    choices: list[CompletionStreamChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"]
+    usage: CompletionUsage | None = None
 
 
 def completion_choice(
     index: int,
     text: str,
     finish_reason: CompletionFinishReason,
-    logprobs: EchoedLogprobs | None = None,
+    logprobs: CompletionLogprobs | None = None,
     prompt_logprobs: PromptLogprobs | None = None,
 ) -> ScoredCompletionChoice:
-    """One finished choice of a completion."""
-    choice = ScoredCompletionChoice(
-        index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
+    """One finished choice of a completion (``prompt_logprobs`` only when asked for)."""
+    return ScoredCompletionChoice(
+        index=index,
+        text=text,
+        finish_reason=finish_reason,
+        logprobs=logprobs,
+        **_set_unless_none(prompt_logprobs=prompt_logprobs),
     )
-    if prompt_logprobs is not None:
-        choice.prompt_logprobs = prompt_logprobs
-    return choice
 
 
 def completion_response(
@@ -115,7 +135,7 @@ def completion_stream_choice(
     index: int,
     text: str,
     finish_reason: CompletionFinishReason | None = None,
-    logprobs: Logprobs | None = None,
+    logprobs: CompletionLogprobs | None = None,
 ) -> CompletionStreamChoice:
     """One choice's delta in a completion stream."""
     return CompletionStreamChoice(
@@ -149,49 +169,136 @@ def completion_chunk(
 # --- chat ----------------------------------------------------------------------------------
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls, and its arguments as JSON text."""
+
+    arguments: str
+    name: str
+
+
+class ToolCall(BaseModel):
+    """One call of a function tool (the SDK's ``ChatCompletionMessageFunctionToolCall``)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"]
+
+
+class ChatMessage(BaseModel):
+    """The assistant's message (the SDK's ``ChatCompletionMessage``): ``tool_calls`` only when
+    it called tools."""
+
+    content: str | None = None
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoiceLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: ChatLogprobs | None = None
+
+
+class ChatChoice(BaseModel):
+    """One finished choice of a chat completion (the SDK's ``chat_completion.Choice``)."""
+
+    finish_reason: ChatFinishReason
+    index: int
+    logprobs: ChatChoiceLogprobs | None = None
+    message: ChatMessage
+
+
+class ChatCompletion(BaseModel):
+    """A whole chat completion; ``prompt_logprobs`` is vLLM's extension, set when asked for."""
+
+    id: str
+    choices: list[ChatChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion"]
+    usage: CompletionUsage
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A tool call in a stream (the SDK's ``ChoiceDeltaToolCall``): we send each call whole, in
+    the choice's last delta."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"]
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to a choice (the SDK's ``ChoiceDelta``)."""
+
+    content: str | None = None
+    role: Literal["assistant"] | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    """One choice's delta in a chat stream (the SDK's ``chat_completion_chunk.Choice``):
+    ``finish_reason`` stays null until the choice's last chunk."""
+
+    delta: ChatDelta
+    index: int
+    finish_reason: ChatFinishReason | None = None
+    logprobs: ChatChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed chat chunk: a choice's delta, or no choice and the usage."""
+
+    id: str
+    choices: list[ChatStreamChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion.chunk"]
+    usage: CompletionUsage | None = None
+
+
 def chat_choice(
     index: int,
     text: str | None,
     finish_reason: ChatFinishReason,
     logprobs: ChatLogprobs | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
-) -> chat_completion.Choice:
+) -> ChatChoice:
     """One finished choice of a chat completion: an assistant message, with its
     ``tool_calls`` when it called tools.
 
     ``logprobs`` (from :func:`chat_logprobs`) is None when the client did not ask for them.
     """
     called: dict[str, Any] = {"tool_calls": tool_calls} if tool_calls else {}  # else unset
-    return chat_completion.Choice(
+    return ChatChoice(
         index=index,
-        message=ChatCompletionMessage(role="assistant", content=text, **called),
+        message=ChatMessage(role="assistant", content=text, **called),
         finish_reason=finish_reason,
-        logprobs=None if logprobs is None else chat_completion.ChoiceLogprobs(content=logprobs),
+        logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
     )
 
 
 def chat_response(
     request_id: str,
     model: str,
-    choices: Sequence[chat_completion.Choice],
+    choices: Sequence[ChatChoice],
     prompt_tokens: int,
     completion_tokens: int,
     created: int | None = None,
     prompt_logprobs: PromptLogprobs | None = None,
 ) -> ChatCompletion:
-    """The whole ``/v1/chat/completions`` response; ``prompt_logprobs`` (vLLM's extension, an
-    extra field the SDK keeps) when asked for."""
-    response = ChatCompletion(
+    """The whole ``/v1/chat/completions`` response; ``prompt_logprobs`` when asked for."""
+    return ChatCompletion(
         id=request_id,
         object="chat.completion",
         created=now() if created is None else created,
         model=model,
         choices=list(choices),
         usage=completion_usage(prompt_tokens, completion_tokens),
+        **_set_unless_none(prompt_logprobs=prompt_logprobs),
     )
-    if prompt_logprobs is not None:
-        response.prompt_logprobs = prompt_logprobs  # type: ignore[attr-defined]
-    return response
 
 
 def chat_stream_choice(
@@ -202,7 +309,7 @@ def chat_stream_choice(
     *,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
-) -> chat_completion_chunk.Choice:
+) -> ChatStreamChoice:
     """One choice's delta in a chat stream (``tool_calls``, whole, in its last delta).
 
     ``first`` puts ``role: "assistant"`` in the delta (the first delta of each choice only);
@@ -213,13 +320,11 @@ def chat_stream_choice(
         delta["content"] = text
     if tool_calls:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-    return chat_completion_chunk.Choice(
+    return ChatStreamChoice(
         index=index,
-        delta=chat_completion_chunk.ChoiceDelta(**delta),
+        delta=ChatDelta(**delta),
         finish_reason=finish_reason,
-        logprobs=(
-            None if logprobs is None else chat_completion_chunk.ChoiceLogprobs(content=logprobs)
-        ),
+        logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
     )
 
 
@@ -227,7 +332,7 @@ def chat_chunk(
     request_id: str,
     model: str,
     created: int,
-    choice: chat_completion_chunk.Choice | None = None,
+    choice: ChatStreamChoice | None = None,
     *,
     include_usage: bool = False,
     usage: CompletionUsage | None = None,
@@ -249,3 +354,8 @@ def chat_chunk(
 def _usage_field(include_usage: bool, usage: CompletionUsage | None) -> dict[str, Any]:
     # OpenAI: with include_usage, every chunk has "usage" (null but in the last one); else none.
     return {"usage": usage} if include_usage or usage is not None else {}
+
+
+def _set_unless_none(**fields: Any) -> dict[str, Any]:
+    # A field left unset is left out of the JSON (to_json excludes unset fields), not null.
+    return {name: value for name, value in fields.items() if value is not None}

@@ -84,8 +84,7 @@ def json(response: BaseModel) -> Response:
 
 
 async def serving_chat() -> ModuleType:
-    """The completion and chat handlers, imported on first use and off the event loop: the
-    ``openai`` SDK types they build responses from take about a second to import, and an
+    """The completion and chat handlers, imported on first use and off the event loop: an
     encoder server never needs them (a generation server imports them in :func:`mount_openai`)."""
     module = sys.modules.get(SERVING_CHAT)
     if module is None:

@@ -7,6 +7,7 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -15,7 +16,9 @@ import openai
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse, Embedding
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_choice import Logprobs as SDKCompletionLogprobs
 from openai.types.create_embedding_response import Usage as EmbeddingUsage
+from pydantic import BaseModel
 
 from huggingfaceserver.protocols.openai import bodies, encoder_responses, responses
 from huggingfaceserver.protocols.openai.bodies import to_json, to_json_dict
@@ -49,6 +52,193 @@ def sdk_client(answer: Callable[[dict[str, Any]], httpx.Response]) -> openai.Ope
 def sse(events: list[dict[str, Any]]) -> httpx.Response:
     body = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
     return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+
+CALLS = [
+    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+    {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+]
+PROMPT_LOGPROBS = [None, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "Hi"}}]
+USAGE = responses.completion_usage(3, 4)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A response we send, the SDK type a client reads it as, and whether that type's
+    declarations admit it (the API sends nulls where some SDK fields are not Optional: a
+    streamed completion choice's ``finish_reason``, an echoed prompt's first logprob; the SDK
+    client reads them anyway, since it constructs without validating)."""
+
+    build: Callable[[], BaseModel]
+    sdk_type: type[BaseModel]
+    validates: bool = True
+
+
+SENT = {
+    "completion": Sent(
+        lambda: responses.completion_response(
+            "cmpl-1",
+            "m",
+            [
+                responses.completion_choice(0, "Hel", "length", completion_logprobs(ENTRIES, 2)),
+                responses.completion_choice(1, "Hi", "stop"),
+            ],
+            3,
+            5,
+            created=7,
+        ),
+        Completion,
+    ),
+    "completion echoing logprobs and prompt_logprobs": Sent(
+        lambda: responses.completion_response(
+            "cmpl-1",
+            "m",
+            [
+                responses.completion_choice(
+                    0,
+                    "<s>Hel",
+                    "stop",
+                    completion_logprobs([TokenLogprobText("<s>", None, None), *ENTRIES]),
+                    PROMPT_LOGPROBS,
+                )
+            ],
+            3,
+            5,
+            created=7,
+        ),
+        Completion,
+        validates=False,
+    ),
+    "completion chunk": Sent(
+        lambda: responses.completion_chunk(
+            "cmpl-1",
+            "m",
+            7,
+            responses.completion_stream_choice(0, "lo", None, completion_logprobs(ENTRIES[1:2])),
+            include_usage=True,
+        ),
+        Completion,
+        validates=False,
+    ),
+    "completion last chunk": Sent(
+        lambda: responses.completion_chunk(
+            "cmpl-1", "m", 7, responses.completion_stream_choice(1, "", "length")
+        ),
+        Completion,
+    ),
+    "completion usage chunk": Sent(
+        lambda: responses.completion_chunk("cmpl-1", "m", 7, usage=USAGE, include_usage=True),
+        Completion,
+    ),
+    "chat": Sent(
+        lambda: responses.chat_response(
+            "chatcmpl-1",
+            "m",
+            [
+                responses.chat_choice(0, "Hello", "stop", chat_logprobs(ENTRIES)),
+                responses.chat_choice(1, "", "length", []),
+            ],
+            4,
+            3,
+            created=7,
+        ),
+        ChatCompletion,
+    ),
+    "chat tool calls and prompt_logprobs": Sent(
+        lambda: responses.chat_response(
+            "chatcmpl-1",
+            "m",
+            [responses.chat_choice(0, None, "tool_calls", tool_calls=CALLS)],
+            4,
+            3,
+            created=7,
+            prompt_logprobs=PROMPT_LOGPROBS,
+        ),
+        ChatCompletion,
+    ),
+    "chat first chunk": Sent(
+        lambda: responses.chat_chunk(
+            "chatcmpl-1",
+            "m",
+            7,
+            responses.chat_stream_choice(0, "Hel", None, chat_logprobs(ENTRIES[:1]), first=True),
+            include_usage=True,
+        ),
+        ChatCompletionChunk,
+    ),
+    "chat tool calls chunk": Sent(
+        lambda: responses.chat_chunk(
+            "chatcmpl-1",
+            "m",
+            7,
+            responses.chat_stream_choice(0, "", "tool_calls", first=True, tool_calls=CALLS),
+        ),
+        ChatCompletionChunk,
+    ),
+    "chat last chunk": Sent(
+        lambda: responses.chat_chunk(
+            "chatcmpl-1", "m", 7, responses.chat_stream_choice(2, finish_reason="length")
+        ),
+        ChatCompletionChunk,
+    ),
+    "chat usage chunk": Sent(
+        lambda: responses.chat_chunk("chatcmpl-1", "m", 7, usage=USAGE, include_usage=True),
+        ChatCompletionChunk,
+    ),
+}
+EXTENSIONS = {"prompt_logprobs"}
+"""Fields we send that the SDK does not declare (vLLM's): it keeps them as extras."""
+
+
+def assert_read_as_sent(parsed: Any, sent: Any, path: str = "", free: bool = False) -> None:
+    """Every JSON object we sent became an SDK model whose declared fields hold exactly what
+    we sent (no field of ours lands in the model's extras, as a misspelled one would), but for
+    maps the SDK itself types as maps (``free``: completion ``top_logprobs``, extensions)."""
+    if isinstance(sent, dict) and not free:
+        assert isinstance(parsed, BaseModel), f"{path}: {parsed!r} is no SDK model"
+        extras = set(parsed.model_extra or {})
+        assert extras <= EXTENSIONS, f"{path}: fields the SDK does not know: {extras}"
+        assert parsed.model_fields_set | extras == set(sent), path
+        for key, value in sent.items():
+            free_map = key in extras or (
+                isinstance(parsed, SDKCompletionLogprobs) and key == "top_logprobs"
+            )
+            assert_read_as_sent(getattr(parsed, key), value, f"{path}.{key}", free_map)
+    elif isinstance(sent, list):
+        assert isinstance(parsed, list) and len(parsed) == len(sent), path
+        for index, (parsed_item, item) in enumerate(zip(parsed, sent, strict=True)):
+            assert_read_as_sent(parsed_item, item, f"{path}[{index}]", free)
+    else:
+        assert parsed == sent and type(parsed) is type(sent), f"{path}: {parsed!r} != {sent!r}"
+
+
+@pytest.mark.parametrize("name", [name for name, sent in SENT.items() if sent.validates])
+def test_the_sdk_types_validate_what_we_send(name):
+    sent = SENT[name]
+    text = to_json(sent.build())
+    parsed = sent.sdk_type.model_validate_json(text)
+    assert_read_as_sent(parsed, json.loads(text))
+    assert json.loads(parsed.model_dump_json(exclude_unset=True)) == json.loads(text)
+
+
+@pytest.mark.parametrize("name", list(SENT))
+def test_the_sdk_reads_what_we_send_as_its_client_does(name):
+    """The SDK client builds its types from the JSON without validating (``construct``)."""
+    sent = SENT[name]
+    body = json.loads(to_json(sent.build()))
+    parsed = sent.sdk_type.model_construct(**body)
+    assert_read_as_sent(parsed, body)
+    assert json.loads(parsed.model_dump_json(exclude_unset=True, warnings=False)) == body
+
+
+def test_every_response_type_we_send_is_checked_against_the_sdk():
+    sent_types = {type(sent.build()) for sent in SENT.values()}
+    assert sent_types == {
+        responses.ScoredCompletion,
+        responses.CompletionChunk,
+        responses.ChatCompletion,
+        responses.ChatCompletionChunk,
+    }
 
 
 def test_completion_response_parses_strictly_and_through_the_sdk():
@@ -131,7 +321,7 @@ def test_chat_response_parses_strictly_and_through_the_sdk():
     choice = responses.chat_choice(0, "Hello", "stop", chat_logprobs(ENTRIES))
     response = responses.chat_response("chatcmpl-1", "m", [choice], 4, 3)
     body = to_json_dict(response)
-    assert ChatCompletion.model_validate(body) == response
+    assert responses.ChatCompletion.model_validate(body) == response
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
 
