@@ -38,6 +38,7 @@ from typing import Any
 
 from . import metrics, request_notes
 from .admission import Admission
+from .cli import ServerConfig
 from .errors import ResponseState, end_with_error
 from .protocols.kserve_model import new_request_id
 from .shared_count import SharedCount
@@ -63,12 +64,12 @@ class GatewayPolicy:
     """The request rules, from the command line."""
 
     api_key: str | None = None
-    max_request_bytes: int = 16 * 1024 * 1024
-    request_timeout_s: float | None = None
-    read_timeout_s: float = 30.0
-    log_requests: bool = True
+    max_request_bytes: int = ServerConfig.max_request_bytes
+    request_timeout_s: float | None = ServerConfig.request_timeout_seconds
+    read_timeout_s: float = ServerConfig.request_read_timeout_seconds
+    log_requests: bool = not ServerConfig.disable_log_requests
     openai_prefix: str = "/openai"
-    model_name: str = "model"
+    model_name: str = ServerConfig.model_name
 
 
 class ReadyFronts:

@@ -20,6 +20,8 @@ import time
 import warnings
 from typing import TextIO
 
+from .cli import ServerConfig
+
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 BATCH_INTERVAL_S = 0.02
@@ -112,7 +114,7 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def formatter(log_format: str = "text") -> logging.Formatter:
+def formatter(log_format: str = ServerConfig.log_format) -> logging.Formatter:
     if log_format == "json":
         return JSONFormatter()
     return logging.Formatter(LOG_FORMAT, DATE_FORMAT)
@@ -129,7 +131,7 @@ def format_every_handler(log_format: str) -> None:
             handler.setFormatter(JSONFormatter())
 
 
-def configure_logging(log_format: str = "text") -> None:
+def configure_logging(log_format: str = ServerConfig.log_format) -> None:
     """Our package's lines on stderr; uvicorn's access lines batched too (see the module)."""
     handler = BatchedStreamHandler(sys.stderr)
     handler.setFormatter(formatter(log_format))

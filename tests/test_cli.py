@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 
 import pytest
 
 from huggingfaceserver.backends import vllm_installed
-from huggingfaceserver.cli import ServerConfig, parse_args
+from huggingfaceserver.cli import ServerConfig, flag_fields, parse_args
 from huggingfaceserver.tasks import Task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +29,6 @@ CONTRACT_DEFAULTS = {
     "dtype": "auto",
     "task": None,
     "backend": "auto",
-    "quantize": None,
     "max_length": None,
     "disable_lower_case": False,
     "disable_special_tokens": False,
@@ -38,28 +40,8 @@ CONTRACT_DEFAULTS = {
     "return_offsets_mapping": False,
     "return_labels": False,
     "disable_log_requests": False,
-    "max_log_len": 512,
-    "chat_template": None,
-    "max_batch_tokens": 16384,
-    "max_batch_size": None,
-    "batch_wait_ms": 2.0,
-    "api_workers": None,
-    "log_format": "text",
-    "enable_model_repository": False,
-    "max_concurrent_requests": 128,
-    "max_request_bytes": 16 * 1024 * 1024,
-    "max_inputs_per_request": 1024,
-    "no_truncation": False,
-    "trust_request_chat_template": False,
-    "enable_auto_tool_choice": False,
-    "tool_call_parser": None,
-    "request_timeout_seconds": None,
-    "max_concurrent_predictor_calls": 16,
-    "request_read_timeout_seconds": 30.0,
-    "shutdown_grace_seconds": 25.0,
-    "api_key": None,
-    "allowed_origins": (),
 }
+"""The defaults CONTRACT.md section 1 lists: what deployments rely on."""
 
 KSERVE_DEFAULTS = {
     "http_port": 8080,
@@ -119,14 +101,25 @@ OWN_FLAGS = {
 }
 
 
-def own_fields(config: ServerConfig) -> dict:
-    fields = dataclasses.asdict(config)
-    del fields["server"], fields["engine_flags"]
-    return fields
+def config_flags() -> list[dataclasses.Field]:
+    """The config fields that are flags of ours (``--model_name`` is KServe's)."""
+    return [f for f in dataclasses.fields(ServerConfig) if "help" in f.metadata]
+
+
+def value_type(annotation: object) -> object:
+    """``int`` for ``int | None``; ``tuple[str, ...]`` for itself."""
+    if typing.get_origin(annotation) is types.UnionType:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return annotation
+
+
+def compact(text: str) -> str:
+    """Text without its whitespace, wherever ``--help`` wrapped it."""
+    return "".join(text.split())
 
 
 def spellings_of(field: str) -> list[str]:
-    return [f"--{field}", "--" + field.replace("_", "-")]
+    return list(dict.fromkeys([f"--{field}", "--" + field.replace("_", "-")]))
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:
@@ -154,9 +147,69 @@ def usage_error(capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_defaults_match_the_contract():
     config = parse_args([])
-    assert own_fields(config) == CONTRACT_DEFAULTS
-    assert own_fields(ServerConfig()) == CONTRACT_DEFAULTS
+    assert {name: getattr(config, name) for name in CONTRACT_DEFAULTS} == CONTRACT_DEFAULTS
     assert config.engine_flags == {}
+
+
+def test_parser_defaults_types_and_choices_are_the_config_fields():
+    parser = argparse.ArgumentParser()
+    actions = ServerConfig.add_cli_args(parser)
+    hints = typing.get_type_hints(ServerConfig)
+    assert set(actions) == {f.name for f in config_flags()}
+    for f in config_flags():
+        action, meta = actions[f.name], f.metadata
+        spellings = [s for name in (f.name, *meta["aliases"]) for s in spellings_of(name)]
+        assert action.option_strings == spellings, f.name
+        assert action.dest == f.name
+        assert action.default == parser.get_default(f.name) == f.default, f.name
+        assert action.choices == meta.get("choices"), f.name
+        assert action.help == meta["help"], f.name
+        if hints[f.name] is bool:  # a switch
+            assert (action.nargs, action.const) == (0, True), f.name
+        else:
+            assert action.type is meta.get("type", value_type(hints[f.name])), f.name
+
+
+def test_parsed_values_have_the_config_fields_types():
+    defaults = parse_args([])
+    for f in dataclasses.fields(ServerConfig):
+        if f.metadata:
+            assert getattr(defaults, f.name) == f.default, f.name
+    for name, (given, _) in OWN_FLAGS.items():
+        argv = [f"--{name}"] if given is None else [f"--{name}", given]
+        value = getattr(parse_args(argv + COMPANIONS.get(name, [])), name)
+        expected = value_type(typing.get_type_hints(ServerConfig)[name])
+        assert isinstance(value, typing.get_origin(expected) or expected), name
+
+
+@pytest.mark.parametrize(
+    "field", [f for f in config_flags() if "choices" in f.metadata], ids=lambda f: f.name
+)
+def test_choice_flags_take_each_choice_and_nothing_else(field, capsys):
+    for choice in field.metadata["choices"]:
+        assert getattr(parse_args([f"--{field.name}", choice]), field.name) == choice
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([f"--{field.name}", "no-such-choice"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'no-such-choice'" in usage_error(capsys)
+
+
+def test_help_lists_every_field_with_its_help_and_default():
+    result = run_main("--help")
+    assert result.returncode == 0, result.stderr
+    options = result.stdout.split("\noptions:\n", 1)[1]
+    entries = {
+        entry.split()[0].rstrip(","): compact(entry)
+        for entry in re.split(r"\n(?=  -)", "\n" + options)
+        if entry.strip()
+    }
+    for f in config_flags():
+        entry = entries[f"--{f.name}"]
+        assert compact(f.metadata["help"]) in entry, f.name
+        assert compact(f"(default: {f.default})") in entry, f.name
+        for alias in f.metadata["aliases"]:
+            assert f"--{alias}" in entry, f.name
+    assert compact(f"(default: {ServerConfig.model_name})") in entries["--model_name"]
 
 
 def test_kserve_flags_keep_their_kserve_defaults():
@@ -165,7 +218,7 @@ def test_kserve_flags_keep_their_kserve_defaults():
 
 
 def test_every_config_field_has_a_flag_in_the_table_below():
-    assert set(OWN_FLAGS) == set(CONTRACT_DEFAULTS)
+    assert set(OWN_FLAGS) == set(flag_fields())
 
 
 COMPANIONS = {"enable_auto_tool_choice": ["--tool-call-parser", "hermes"]}

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..cli import ServerConfig
 from ..errors import NotReady, ServerError
 from ..generation.logits import prompt_token_logprobs
 from ..generation.params import ChoiceDelta, TokenLogprob
@@ -83,7 +84,10 @@ class ContinuousBatcher:
     """The shared decode loop; ``submit`` from any thread, ``close`` once at shutdown."""
 
     def __init__(
-        self, new_batch: Callable[[], DecodeBatch], max_rows: int, model_name: str = "model"
+        self,
+        new_batch: Callable[[], DecodeBatch],
+        max_rows: int,
+        model_name: str = ServerConfig.model_name,
     ):
         self.new_batch = new_batch
         self.max_rows = max_rows

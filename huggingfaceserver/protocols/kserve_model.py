@@ -14,6 +14,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 
 from .. import request_notes
 from ..backends.base import EncoderBackend, GenerationBackend
+from ..cli import ServerConfig
 from ..errors import BadRequest
 from ..generation.params import SamplingParams
 from ..loading import freeze_loaded_heap
@@ -114,7 +115,7 @@ class GenerationModel(BackendModel):
         backend: GenerationBackend,
         chat_template: str | None,
         trust_request_chat_template: bool = False,
-        max_inputs_per_request: int = 1024,
+        max_inputs_per_request: int = ServerConfig.max_inputs_per_request,
         auto_tool_parser: str | None = None,
     ):
         super().__init__(name, task)
@@ -152,7 +153,7 @@ class EncoderModel(BackendModel):
         task: Task,
         backend: EncoderBackend,
         logging_: RequestLogging,
-        max_inputs_per_request: int = 1024,
+        max_inputs_per_request: int = ServerConfig.max_inputs_per_request,
     ):
         super().__init__(name, task)
         self.backend = backend

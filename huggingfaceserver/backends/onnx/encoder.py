@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from transformers import BatchEncoding
 
-from ...cli import ServerConfig
+from ...cli import EXPORT_MAX_BATCH_SIZE, ServerConfig
 from ...errors import StartupError
 from ...loading import ModelSource
 from ...startup import STARTUP
@@ -20,13 +20,6 @@ from .session import OnnxSession
 from .store import ExportStore, StoredGraph
 
 logger = logging.getLogger(__name__)
-
-
-EXPORT_MAX_BATCH_SIZE = 8
-"""Rows per forward pass on an export without ``--max_batch_size``: on ONNX Runtime a batch
-padded to its longest row costs more than batching saves (plain ONNX Runtime is fastest at batch
-1 on MiniLM), and at C=32 the server ran 1.28x faster with 8 than with torch's 16 (BENCHMARKS.md,
-Server runtime flags)."""
 
 
 class GraphSession(Protocol):
