@@ -22,7 +22,7 @@ import yaml
 from huggingfaceserver.cli import ServerConfig, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_DIR = REPO.parent / "shared" / "kserve-crds"
+CRD_DIR = Path(__file__).resolve().parent / "kserve-crds"  # KServe's own, copied: see its README
 RUNTIME_DIR = REPO / "config" / "runtimes"
 EXAMPLE_DIR = REPO / "docs" / "examples"
 MANIFESTS = sorted(p for d in (REPO / "config", EXAMPLE_DIR) for p in d.rglob("*.y*ml"))
