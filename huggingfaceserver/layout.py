@@ -18,12 +18,11 @@ MAX_AUTO_API_WORKERS = 8
 """``--api_workers auto`` on a CUDA device: one front per two cores, at most this many."""
 
 # The memory each process takes, for what fits in the pod's memory limit. Measured 2026-11-25
-# on CPU (tiny Llama, --backend huggingface, after 20 requests; /proc/<pid>/status VmRSS):
-# front 522 MiB with 2 or 3 fronts (339 MiB of it private, the rest torch's shared libraries,
-# which the cgroup charges once: an over-estimate, on the safe side), engine 517 MiB, the
-# supervising parent 387 MiB. 611 MiB per front was seen before; fronts are to get lean
-# (< 250 MiB), and then FRONT_BYTES is the figure to lower.
-FRONT_BYTES = 600 * MiB
+# on CPU (tiny Llama, --backend huggingface, --api_workers 2, after 40 requests;
+# /proc/<pid>/status VmRSS): each front 166 MiB (it imports neither torch nor the model's
+# code), the engine 524 MiB, the supervising parent 149 MiB. The parent imports torch when
+# --api_workers auto asks it whether a CUDA device is there (about 400 MiB then).
+FRONT_BYTES = 256 * MiB
 """One front process."""
 SUPERVISOR_BYTES = 400 * MiB
 """The process started by the user, which watches the engine and the fronts."""

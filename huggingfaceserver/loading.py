@@ -1,4 +1,8 @@
-"""Where the model is, what it is: location (folder or Hub id), config read once, dtype."""
+"""Where the model is, what it is: location (folder or Hub id), config read once, dtype.
+
+Imports neither torch nor transformers' modeling code at module level: a front process and the
+supervisor locate the model and settle its task from ``config.json`` alone (the architectures),
+and only a process that loads the model reads transformers' config (which imports torch)."""
 
 from __future__ import annotations
 
@@ -8,18 +12,17 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from .cli import ServerConfig
 from .errors import StartupError
 from .startup import STARTUP, importing, imports_done
 from .tasks import Task, infer_task
 
-if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: only when it loads
+if TYPE_CHECKING:  # torch and transformers' modeling code: only where the model loads
+    import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -38,23 +41,45 @@ TOKENIZER_FILES = [
 ]
 
 DTYPE_NAMES = {
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
 }
+"""``--dtype`` values, as the names of torch's dtypes."""
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model on local disk, with its config read once."""
+    """A model on local disk: where, its task, and its config read once when first asked."""
 
     path: Path
     tokenizer_path: Path
-    config: PretrainedConfig
     task: Task
     sentence_transformers_modules: list[dict[str, Any]] | None
+    architectures: list[str]
+    """``config.json``'s architectures, as transformers' config has them."""
+    trust_remote_code: bool = False
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        """transformers' config of the model, read on first use (it imports torch: the
+        processes that do not load the model never ask for it). :class:`StartupError` when
+        transformers cannot read it."""
+        from transformers import AutoConfig
+
+        try:
+            with STARTUP.phase("config"):
+                return AutoConfig.from_pretrained(
+                    self.path, trust_remote_code=self.trust_remote_code
+                )
+        except (OSError, ValueError, KeyError) as exc:
+            raise StartupError(f"cannot read the model config in {self.path}: {exc}") from None
+
+    def read_config(self) -> None:
+        """Read transformers' config now, so that a problem with it stops the start."""
+        self.config  # noqa: B018 - the property reads it once
 
 
 def _check_folder(path: Path) -> Path:
@@ -122,37 +147,57 @@ def read_sentence_transformers_modules(path: Path) -> list[dict[str, Any]] | Non
     return modules
 
 
-def load_source(config: ServerConfig) -> ModelSource:
-    """Locate the model, read its config once and settle its task."""
+def read_architectures(path: Path) -> list[str]:
+    """The architectures ``config.json`` declares (what settles the task), read as JSON."""
+    config_file = path / "config.json"
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StartupError(f"cannot read the model config in {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise StartupError(f"cannot read the model config in {path}: not a JSON object")
+    architectures = data.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise StartupError(f"{config_file}: architectures is not a list of names")
+    return architectures
+
+
+def load_source(config: ServerConfig, read_config: bool = True) -> ModelSource:
+    """Locate the model and settle its task; ``read_config``: read transformers' config now
+    (a problem with it is then a :class:`StartupError` before serving starts); False: when
+    first asked (the processes that do not load the model never do)."""
     imports_done()
     path, tokenizer_path = locate_model(config)
-    try:
-        with STARTUP.phase("config"):
-            model_config = AutoConfig.from_pretrained(
-                path, trust_remote_code=config.trust_remote_code
-            )
-    except (OSError, ValueError, KeyError) as exc:
-        raise StartupError(f"cannot read the model config in {path}: {exc}") from None
+    architectures = read_architectures(path)
     modules = read_sentence_transformers_modules(path)
-    task = config.task or infer_task(model_config.architectures, modules is not None)
+    task = config.task or infer_task(architectures, modules is not None)
     logger.info(
         "model %s: architectures %s, task %s%s",
         path,
-        model_config.architectures,
+        architectures,
         task.value,
         "" if config.task is None else " (from --task)",
     )
-    return ModelSource(path, tokenizer_path, model_config, task, modules)
+    source = ModelSource(
+        path, tokenizer_path, task, modules, architectures, config.trust_remote_code
+    )
+    if read_config:
+        source.read_config()
+    return source
 
 
 def device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_dtype(flag: str, task: Task, on_gpu: bool) -> torch.dtype:
     """``--dtype``: ``auto`` is float16 on GPU and float32 on CPU; encoders default to float32."""
+    import torch
+
     if flag != "auto":
-        return DTYPE_NAMES[flag]
+        return getattr(torch, DTYPE_NAMES[flag])
     if task.is_generative and on_gpu:
         return torch.float16
     return torch.float32
@@ -190,15 +235,46 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def load_tokenizer(source: ModelSource, config: ServerConfig) -> PreTrainedTokenizerBase:
-    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+def load_tokenizer(
+    source: ModelSource, config: ServerConfig, class_name: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, as ``AutoTokenizer`` picks it; ``class_name``: the class it
+    picked in another process (the engine), loaded here without ``AutoTokenizer`` (which reads
+    transformers' config, and so imports torch) when transformers exports it."""
+    kwargs: dict[str, Any] = {}
     if config.encode_lower_case is not None:
         kwargs["do_lower_case"] = config.encode_lower_case
+    tokenizer_class = tokenizer_class_named(class_name)
     try:
         with STARTUP.phase("tokenizer"):
-            return AutoTokenizer.from_pretrained(source.tokenizer_path, **kwargs)
+            if tokenizer_class is not None:
+                return tokenizer_class.from_pretrained(source.tokenizer_path, **kwargs)
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(
+                source.tokenizer_path, trust_remote_code=config.trust_remote_code, **kwargs
+            )
     except (OSError, ValueError, KeyError) as exc:
         raise StartupError(f"cannot load the tokenizer in {source.tokenizer_path}: {exc}") from None
+
+
+def tokenizer_class_name(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The name under which transformers exports ``tokenizer``'s class (None: a class of the
+    model's own code, or one transformers does not export)."""
+    import transformers
+
+    name = type(tokenizer).__name__
+    return name if getattr(transformers, name, None) is type(tokenizer) else None
+
+
+def tokenizer_class_named(name: str | None) -> Any:
+    """transformers' tokenizer class ``name`` (None for None or a name it does not export)."""
+    if name is None:
+        return None
+    import transformers
+
+    from_transformers = getattr(transformers, name, None)
+    return from_transformers if isinstance(from_transformers, type) else None
 
 
 def freeze_loaded_heap() -> None:

@@ -134,22 +134,25 @@ def engine_backend(
     return EngineEncoder(source, config, client)
 
 
-def locate(config: ServerConfig, vllm: bool = True) -> tuple[ModelSource, BackendChoice]:
+def locate(
+    config: ServerConfig, vllm: bool = True, read_config: bool = True
+) -> tuple[ModelSource, BackendChoice]:
     """Locate the model, read its config, pick a backend (:class:`StartupError` for anything
     the user must fix, before serving starts); ``vllm=False``: as if vLLM were not
-    installed."""
+    installed; ``read_config=False``: transformers' config only if the choice needs it (the
+    supervisor of fronts and an engine never loads the model, and imports no torch)."""
     if config.server.get("workers", 1) > 1:
         raise StartupError(
             "--workers > 1 is not supported: one process holds the model; use --api_workers N "
             "for N front processes before one engine process"
         )
-    source = load_source(config)
+    source = load_source(config, read_config)
     from .backends.vllm.kv_cache import plan_kv_cache  # no vLLM import: asked only for vLLM
 
     choice = choose_backend(
         config.backend,
         source.task,
-        source.config.architectures or [],
+        source.architectures,
         installed=vllm_installed if vllm else lambda: False,
         kv_cache=lambda: plan_kv_cache(source, config),
     )
@@ -163,22 +166,18 @@ def build_model(
     client: EngineClient | None = None,
 ) -> BackendModel:
     """Everything short of loading weights: the model as KServe serves it, with its backend
-    (the engine's client in a front process)."""
-    source, choice = located or locate(config)
-    if config.engine_flags and choice.name != "vllm":
-        logger.warning(
-            "ignored with the transformers backend (vLLM engine flags): %s",
-            " ".join(f"--{name}" for name in config.engine_flags),
-        )
-    if config.quantize and choice.name != "onnx":
-        raise StartupError(
-            f"--quantize {config.quantize} quantises the ONNX Runtime backend's export; the "
-            f"model runs on {choice.name} ({choice.reason}): use --backend onnx or auto"
-        )
-    if client is None:
-        backend = local_backend(source, config, choice)
-    else:
+    (the engine's client in a front process, which neither reads the model's config nor
+    imports torch: the engine does both)."""
+    backend: EncoderBackend | GenerationBackend
+    if client is not None:
+        source = load_source(config, read_config=False)
         backend = engine_backend(source, config, client)
+    else:
+        if located is None:
+            located = locate(config)
+            check_choice(config, located[1])
+        source, choice = located
+        backend = local_backend(source, config, choice)
     if isinstance(backend, GenerationBackend):
         template = read_chat_template(config.chat_template)
         return GenerationModel(
@@ -202,15 +201,32 @@ def build_model(
     )
 
 
+def check_choice(config: ServerConfig, choice: BackendChoice) -> None:
+    """Flags that the chosen backend ignores (a warning) or cannot honour (a
+    :class:`StartupError`)."""
+    if config.engine_flags and choice.name != "vllm":
+        logger.warning(
+            "ignored with the transformers backend (vLLM engine flags): %s",
+            " ".join(f"--{name}" for name in config.engine_flags),
+        )
+    if config.quantize and choice.name != "onnx":
+        raise StartupError(
+            f"--quantize {config.quantize} quantises the ONNX Runtime backend's export; the "
+            f"model runs on {choice.name} ({choice.reason}): use --backend onnx or auto"
+        )
+
+
 def serve(config: ServerConfig) -> None:
     """Serve until stopped, in one process or as an engine behind front processes.
     Startup problems raise :class:`StartupError`."""
-    source, choice = locate(config)
+    source, choice = locate(config, read_config=False)
+    check_choice(config, choice)
     layout = choose_layout(
         config.api_workers,
         choice.name,
         remote=bool(config.server.get("predictor_host")) and not source.task.is_generative,
-        cuda=device().type == "cuda",
+        # only auto asks (torch tells, and a supervisor of fronts does without it otherwise)
+        cuda=config.api_workers is None and device().type == "cuda",
         pod=read_pod_limits(),
         engine=engine_bytes(source.path),
     )
@@ -230,6 +246,7 @@ def serve(config: ServerConfig) -> None:
         run_processes(config, layout.api_workers)
         return
     logger.info("one process (%s)", layout.reason)
+    source.read_config()
     serve_model(build_model(config, (source, choice)), config)
 
 

@@ -140,10 +140,13 @@ class ProcessGroup:
         logger.info("stopping: fronts drain their requests, then the engine stops")
 
     def _exit_report(self, child: BaseProcess) -> str:
+        """Why ``child`` exited: the engine's own error when it left one (a front that lost
+        the engine only knows that it stopped), else the child's, else its exit status."""
         child.join()
-        error = self.wiring.error_file(child.name)
-        if error.is_file():
-            return error.read_text().strip()
+        for name in ("engine", child.name):
+            error = self.wiring.error_file(name)
+            if error.is_file():
+                return error.read_text().strip()
         code = child.exitcode
         how = (
             f"was killed by {signal.Signals(-code).name}"

@@ -188,12 +188,13 @@ def test_openai_sdk_embeddings_and_rerank(server, v1_embeddings):
 
 
 def test_ready_logs_one_startup_line_with_its_phases(server, layout):
-    """Cold start, phase by phase: what imports, the config, the weights (loaded in this
-    process in the one-process layout, in the engine otherwise) and the warm-up took."""
-    line = server.wait_for_log(r"startup: imports [\d.]+ s, config .*ready [\d.]+ s after start")
+    """Cold start, phase by phase: what imports, the config and the weights (read and loaded
+    in this process in the one-process layout; in the engine otherwise, and a front logs its
+    own phases) and the warm-up took."""
+    line = server.wait_for_log(r"startup: imports [\d.]+ s, .*ready [\d.]+ s after start")
     assert "warm-up" in line.group(0)
     if layout == ["--api_workers", "1"]:
-        assert " weights " in line.group(0)
+        assert " config " in line.group(0) and " weights " in line.group(0)
 
 
 def test_metrics_count_each_request_once_summed_over_processes(server, layout):

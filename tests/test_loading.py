@@ -15,8 +15,16 @@ from transformers import AutoConfig, AutoTokenizer
 from huggingfaceserver.backends.tokenizing import resolve_max_length
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import StartupError
-from huggingfaceserver.loading import load_source, load_tokenizer, locate_model, resolve_dtype
+from huggingfaceserver.loading import (
+    load_source,
+    load_tokenizer,
+    locate_model,
+    resolve_dtype,
+    tokenizer_class_name,
+    tokenizer_class_named,
+)
 from huggingfaceserver.tasks import Task
+from tests.tiny_models import BUILDERS
 
 MAIN_COMMIT = "a" * 40
 V1_COMMIT = "b" * 40
@@ -296,3 +304,67 @@ def test_no_known_limit_asks_for_max_length(tiny_models):
     with pytest.raises(StartupError) as error:
         resolve_max_length(None, tokenizer, config)
     assert "--max_length" in str(error.value)
+
+
+# --- what a front process loads: the tokenizer by the engine's class, no config --------------
+
+TEXTS = ["héllo wörld, 123!", "  spaces   and\ttabs ", "日本語 and emoji 🤗", "a", "<s> [CLS] </s>"]
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_the_tokenizer_by_class_name_is_autotokenizers(tiny_models, name):
+    """Loaded by the class AutoTokenizer chose (as a front does, with the class name the engine
+    sends), the tokenizer encodes, pairs, decodes and templates exactly as AutoTokenizer's."""
+    config = parse_args(["--model_dir", str(tiny_models[name])])
+    source = load_source(config, read_config=False)
+    auto = AutoTokenizer.from_pretrained(source.tokenizer_path)
+    class_name = tokenizer_class_name(auto)
+    assert class_name is not None, type(auto)
+    named = load_tokenizer(source, config, class_name)
+    assert type(named) is type(auto)
+    assert named(TEXTS) == auto(TEXTS)
+    assert named(TEXTS[0], TEXTS[2], truncation=True, max_length=8) == auto(
+        TEXTS[0], TEXTS[2], truncation=True, max_length=8
+    )
+    ids = auto(" ".join(TEXTS))["input_ids"]
+    for skip in (False, True):
+        assert named.decode(ids, skip_special_tokens=skip) == auto.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert named.all_special_tokens == auto.all_special_tokens
+    assert named.model_max_length == auto.model_max_length
+    assert named.chat_template == auto.chat_template
+    assert len(named) == len(auto)
+
+
+def test_a_class_transformers_does_not_export_falls_back_to_autotokenizer(tiny_models):
+    config = parse_args(["--model_dir", str(tiny_models["gpt2"])])
+    source = load_source(config, read_config=False)
+    assert tokenizer_class_named("NoSuchTokenizer") is None
+    assert tokenizer_class_named("os") is None  # not a class
+    tokenizer = load_tokenizer(source, config, "NoSuchTokenizer")
+    assert type(tokenizer) is type(AutoTokenizer.from_pretrained(source.tokenizer_path))
+
+
+def test_the_config_is_read_only_when_asked(tmp_path, tiny_models):
+    """Task and architectures come from config.json as JSON; transformers' config (which
+    imports torch) is read on first use, and its problems are then startup errors."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["bert_sequence_classification"], folder)
+    data = json.loads((folder / "config.json").read_text())
+    data["model_type"] = "no-such-model-type"
+    (folder / "config.json").write_text(json.dumps(data))
+    config = parse_args(["--model_dir", str(folder)])
+    source = load_source(config, read_config=False)
+    assert source.architectures == data["architectures"]
+    assert source.task is Task.sequence_classification
+    with pytest.raises(StartupError, match="cannot read the model config"):
+        source.config  # noqa: B018
+    with pytest.raises(StartupError, match="cannot read the model config"):
+        load_source(config)
+
+
+def test_architectures_that_are_not_names_are_a_startup_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": "BertModel"}))
+    with pytest.raises(StartupError, match="architectures is not a list of names"):
+        load_source(parse_args(["--model_dir", str(tmp_path)]), read_config=False)

@@ -210,6 +210,34 @@ def test_the_supervisor_has_the_engine_and_two_fronts_as_children(served):
     assert set(now) == {group.engine, *group.fronts, *trackers}
 
 
+def loads_torch(process: Proc) -> bool:
+    """Whether torch's library is mapped into ``process``."""
+    return "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
+
+
+def test_only_the_engine_loads_torch(served):
+    """The fronts tokenize, render and detokenize with the tokenizer alone; the supervisor
+    reads config.json as JSON: neither imports torch (nor transformers' model config)."""
+    group = served.group
+    assert loads_torch(group.engine)
+    assert [loads_torch(p) for p in [group.supervisor, *group.fronts]] == [False] * 3
+
+
+def test_only_the_engine_loads_torch_for_an_encoder(tiny_models, tmp_path):
+    """The same for an encoder task, whose fronts have the config's facts (labels, maximum
+    length) from the engine; their answers are the engine's results."""
+    with run_server(classifier_args(tiny_models), tmp_path, stop_timeout=5) as server:
+        group = group_of(server)
+        assert loads_torch(group.engine)
+        assert [loads_torch(p) for p in [group.supervisor, *group.fronts]] == [False] * 3
+        response = httpx.post(
+            f"{server.url}/v1/models/tiny:predict", json={"instances": ["a b c"] * 4}, timeout=30
+        )
+        assert response.status_code == 200, response.text
+        [prediction] = set(response.json()["predictions"])
+        assert prediction in (0, 1)
+
+
 def test_both_fronts_answer_on_the_shared_port(served):
     """Each request on a connection of its own: the kernel spreads them over both fronts,
     whose request log lines carry their process id."""

@@ -22,16 +22,19 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 from transformers import BatchEncoding
 
+from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..errors import ServerError
 from ..loop_calls import LoopCalls, deferred
 from ..metrics import EncoderBatchMetrics
 from .encoding import Row
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 60.0
@@ -46,6 +49,8 @@ Settle = Callable[[list[Any] | BaseException], None]
 def collate(rows: list[Row], pad_values: dict[str, int]) -> BatchEncoding:
     """Right-pad rows into one batch (``pad_values`` per key; 0 where not given), with the
     attention mask that hides the padding."""
+    import torch  # where the model runs: a front process sends its rows to the engine
+
     lengths = np.array([len(row["input_ids"]) for row in rows])
     width = int(lengths.max())
     columns: dict[str, torch.Tensor] = {}
@@ -108,11 +113,11 @@ def future_settle(future: asyncio.Future[list[Any]]) -> Settle:
 
 @dataclass(frozen=True)
 class BatchLimits:
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = ServerConfig.max_batch_tokens
     """Padded tokens per forward pass."""
-    max_batch_size: int = 16
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     """Rows per forward pass (1: no batching)."""
-    wait_s: float = 0.002
+    wait_s: float = ServerConfig.batch_wait_ms / 1000
     """How long a batch waits for requests still being tokenized."""
 
 
@@ -148,7 +153,7 @@ class EncoderBatcher:
         run_batch: RunBatch,
         pad_values: dict[str, int],
         limits: BatchLimits,
-        model_name: str = "model",
+        model_name: str = ServerConfig.model_name,
     ):
         self.run_batch = run_batch
         self.pad_values = pad_values

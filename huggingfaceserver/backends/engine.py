@@ -12,22 +12,24 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import BatchEncoding
+from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import ServerConfig
 from ..engine.client import EngineClient
 from ..errors import StartupError
+from ..generation.checks import check_generation_request
 from ..generation.constraints import LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
-from ..generation.sequence import ChoiceText
+from ..generation.text import ChoiceText
 from ..loading import ModelSource, load_tokenizer
 from .base import GenerationBackend
 from .encoding import Row
-from .tokenizing import TokenizingEncoder
-from .transformers_generation import check_generation_request
+from .tokenizing import EncoderFacts, TokenizingEncoder
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ServedByEngine:
@@ -56,8 +58,19 @@ class EngineEncoder(ServedByEngine, TokenizingEncoder):
         super().__init__(source, config)
         self.client = client
 
-    def load_model(self) -> None:
-        self.client.wait_ready()
+    def load(self) -> None:
+        """Once the engine has loaded the model: its facts and tokenizer class come from
+        there (this process reads neither the model's config nor its weights)."""
+        self.state = self.client.wait_ready()
+        super().load()
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.source, self.config, self.state.tokenizer_class)
+
+    def model_facts(self) -> EncoderFacts:
+        if self.state.encoder is None:
+            raise StartupError("the engine serves no encoder model")
+        return self.state.encoder
 
     def preparing(self) -> AbstractContextManager[None]:
         return nullcontext()  # the engine batches what arrives; nothing here to wait for
@@ -80,8 +93,9 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.client = client
 
     def load(self) -> None:
-        self.tokenizer = load_tokenizer(self.source, self.config)
-        facts = self.client.wait_ready().facts
+        state = self.client.wait_ready()
+        self.tokenizer = load_tokenizer(self.source, self.config, state.tokenizer_class)
+        facts = state.facts
         if facts is None:
             raise StartupError("the engine serves no generative model")
         self.max_model_len = facts.max_model_len

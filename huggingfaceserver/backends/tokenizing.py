@@ -8,11 +8,11 @@ from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from transformers import BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
@@ -22,6 +22,10 @@ from ..tasks import Task
 from .base import EncoderBackend, EncoderInputs, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
 from .encoding import InputEncoder, Row
+
+if TYPE_CHECKING:  # the model runs where torch is (a front process has neither)
+    import torch
+    from transformers import PretrainedConfig
 
 T = TypeVar("T")
 
@@ -36,8 +40,30 @@ INLINE_TOKEN_IDS = 2048
 UNSET_MAX_LENGTH = 1_000_000
 
 
+@dataclass(frozen=True)
+class EncoderFacts:
+    """What tokenizing and shaping results need of the model's config (a front process, which
+    never reads the config, has them from the engine)."""
+
+    max_position_embeddings: int | None
+    num_labels: int
+    labels: dict[int, str] = field(default_factory=dict)
+    """The config's ``id2label``."""
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> EncoderFacts:
+        limit = getattr(config, "max_position_embeddings", None)
+        return cls(
+            int(limit) if limit else None,
+            int(config.num_labels or 0),
+            {int(index): str(label) for index, label in (config.id2label or {}).items()},
+        )
+
+
 def resolve_max_length(
-    requested: int | None, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig
+    requested: int | None,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PretrainedConfig | EncoderFacts,
 ) -> int:
     """``--max_length`` checked against what the model can take, or that limit by default."""
     limits = [getattr(config, "max_position_embeddings", None)]
@@ -69,7 +95,7 @@ def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> 
 
 def pair_scores(raw: torch.Tensor) -> list[float]:
     """A one-logit cross-encoder's relevance scores in [0, 1]."""
-    return torch.sigmoid(raw[:, 0].float()).tolist()
+    return raw[:, 0].float().sigmoid().tolist()
 
 
 def results_by_kind(
@@ -100,7 +126,8 @@ class TokenizingEncoder(EncoderBackend):
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def load(self) -> None:
-        tokenizer = load_tokenizer(self.source, self.config)
+        tokenizer = self.load_tokenizer()
+        facts = self.facts = self.model_facts()
         tokenizer.padding_side = "right"  # pooling and per-token trimming assume it
         if tokenizer.pad_token is None:
             raise StartupError(
@@ -108,11 +135,11 @@ class TokenizingEncoder(EncoderBackend):
             )
         self.tokenizer = tokenizer
         self.task: EncoderTask = self.task_class(
-            tokenizer, self.source, EncoderOptions.from_config(self.config)
+            tokenizer, self.source, EncoderOptions.from_config(self.config), facts.labels
         )
         if self.task.needs_offsets and not tokenizer.is_fast:
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
-        self.max_length = resolve_max_length(self.config.max_length, tokenizer, self.source.config)
+        self.max_length = resolve_max_length(self.config.max_length, tokenizer, facts)
         self.inputs = InputEncoder(
             tokenizer,
             self.max_length,
@@ -132,6 +159,13 @@ class TokenizingEncoder(EncoderBackend):
             self.config.batch_wait_ms / 1000,
         )
         self.batcher = EncoderBatcher(self.run_rows, pad_values, limits, self.config.model_name)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.source, self.config)
+
+    def model_facts(self) -> EncoderFacts:
+        """What the tokenizing side needs of the model's config."""
+        return EncoderFacts.of(self.source.config)
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
@@ -180,7 +214,7 @@ class TokenizingEncoder(EncoderBackend):
 
     async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
         """Cross-encoder scores; the pairs share forward passes with every other request."""
-        if self.task.task is not Task.sequence_classification or self.source.config.num_labels != 1:
+        if self.task.task is not Task.sequence_classification or self.facts.num_labels != 1:
             raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
         with self.preparing():
             counts, rows = await self.off_loop(self.prepare_pair_rows, query, documents)

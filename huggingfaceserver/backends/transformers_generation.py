@@ -23,10 +23,12 @@ from transformers import (
 )
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
-from ..errors import BadRequest, StartupError
+from ..errors import StartupError
+from ..generation.checks import check_generation_request
 from ..generation.constraints import LazyGrammars
 from ..generation.params import ChoiceDelta, SamplingParams
-from ..generation.sequence import ChoiceText, SequenceState
+from ..generation.sequence import SequenceState
+from ..generation.text import ChoiceText
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
 from ..loop_calls import LoopCalls
 from ..tasks import Task
@@ -87,41 +89,6 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     found = set(ids) if isinstance(ids, list) else {ids}
     found.add(tokenizer.eos_token_id)
     return frozenset(i for i in found if i is not None)
-
-
-def check_generation_request(
-    prompt_ids: list[int],
-    params: SamplingParams,
-    adapter: str | None,
-    max_model_len: int,
-    vocab_size: int,
-    is_encoder_decoder: bool,
-    grammars: LazyGrammars,
-) -> None:
-    """What a transformers-served model refuses (the protocol layer should have caught it),
-    an invalid structured-output constraint included."""
-    if adapter is not None:
-        raise BadRequest("LoRA adapters are served by the vLLM backend only")
-    if not prompt_ids:
-        raise BadRequest("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens; "
-            f"the prompt has {len(prompt_ids)}, leaving no room for a completion"
-        )
-    if params.n < 1 or (params.max_tokens is not None and params.max_tokens < 1):
-        raise BadRequest("n and max_tokens must be at least 1")
-    ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
-    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if outside:
-        raise BadRequest(f"token ids outside the vocabulary (0-{vocab_size - 1}): {outside}")
-    if params.prompt_logprobs is not None and is_encoder_decoder:
-        raise BadRequest(
-            "prompt_logprobs needs a decoder-only model: a sequence-to-sequence model's "
-            "prompt is its encoder's input, which it does not predict"
-        )
-    if params.constraint is not None:
-        grammars.get().grammar(params.constraint)  # compiled and checked once, then cached
 
 
 class TransformersGenerator(GenerationBackend):

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import ServerConfig
 from ..loading import ModelSource
 from ..tasks import Task
+
+if TYPE_CHECKING:  # the results are made in the process that runs the model
+    import torch
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,11 @@ class EncoderTask(ABC):
         tokenizer: PreTrainedTokenizerBase,
         source: ModelSource,
         options: EncoderOptions,
+        labels: Mapping[int, str] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.model_config = source.config
+        self.labels = labels or {}
+        """The model's class names (its config's ``id2label``)."""
         self.options = options
 
     def check_text(self, index: int, text: str) -> None:
@@ -91,15 +95,14 @@ class EncoderTask(ABC):
 
     def label_key(self, index: int) -> str:
         """A class's key in score dicts: its index, or its id2label name with --return_labels."""
-        id2label: dict[Any, str] = self.model_config.id2label or {}
-        if self.options.return_labels and index in id2label:
-            return str(id2label[index])
+        if self.options.return_labels and index in self.labels:
+            return str(self.labels[index])
         return str(index)
 
     def score_dict(self, logits: torch.Tensor) -> dict[str, float]:
         """``{class: probability}`` (4 decimals) or ``{class: raw logit}``, per the flags."""
         if self.options.return_probabilities:
-            values = [round(p, 4) for p in torch.softmax(logits.float(), dim=-1).tolist()]
+            values = [round(p, 4) for p in logits.float().softmax(dim=-1).tolist()]
         else:
             values = logits.float().tolist()
         return {self.label_key(i): v for i, v in enumerate(values)}

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
 from ..tasks import Task
 from .base import EncoderTask, bytes_output, lengths, output_type, pad_rows, tensor_output
+
+if TYPE_CHECKING:  # the results are made in the process that runs the model
+    import torch
 
 PADDING_LABEL = -1
 """Fills the V2 token-label tensor past an instance's last token (instances differ in length)."""

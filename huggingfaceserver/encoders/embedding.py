@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
@@ -14,6 +14,9 @@ from ..tasks import Task
 from .base import EncoderOptions, EncoderTask, output_type, tensor_output
 from .pooling import PoolingConfig, pool
 
+if TYPE_CHECKING:  # the results are made in the process that runs the model
+    import torch
+
 
 class TextEmbedding(EncoderTask):
     task = Task.text_embedding
@@ -21,9 +24,13 @@ class TextEmbedding(EncoderTask):
     output_field = "last_hidden_state"
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, source: ModelSource, options: EncoderOptions
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        source: ModelSource,
+        options: EncoderOptions,
+        labels: Mapping[int, str] | None = None,
     ):
-        super().__init__(tokenizer, source, options)
+        super().__init__(tokenizer, source, options, labels)
         self.pooling = PoolingConfig.from_sentence_transformers(
             source.path, source.sentence_transformers_modules
         )

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
 from ..errors import BadRequest, StartupError
 from ..tasks import Task
 from .base import EncoderTask, bytes_output, output_type
+
+if TYPE_CHECKING:  # the results are made in the process that runs the model
+    import torch
 
 
 class FillMask(EncoderTask):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StartupError
+
+if TYPE_CHECKING:
+    import torch
 
 TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
 POOLING_MODULE = "sentence_transformers.models.Pooling"
@@ -70,6 +70,8 @@ def _read_pooling_mode(folder: Path) -> str:
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, config: PoolingConfig) -> torch.Tensor:
     """Pool token states ``[B, S, D]`` into sentence vectors ``[B, D]`` (right-padded input)."""
+    import torch  # where the model runs (a front process only reads the configuration)
+    import torch.nn.functional as F
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     if config.mode == "cls":
         pooled = hidden[:, 0]

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from ..backends.encoding import Row
+from ..backends.tokenizing import EncoderFacts
 from ..errors import BadRequest, NotReady, ServerError
 from ..generation.params import ChoiceDelta, SamplingParams
 
@@ -42,6 +43,12 @@ class EngineState(msgspec.Struct, tag="state", array_like=True):
     fronts: int
     """How many fronts have said hello."""
     facts: ModelFacts | None = None
+    """A generative model's limits, once loaded."""
+    encoder: EncoderFacts | None = None
+    """An encoder's facts from its config, once loaded."""
+    tokenizer_class: str | None = None
+    """The class ``AutoTokenizer`` chose for the model, by its name in transformers (None: not
+    one transformers exports; the front then asks ``AutoTokenizer`` itself)."""
 
 
 class Encode(msgspec.Struct, tag="encode", array_like=True):

@@ -23,10 +23,11 @@ from ..backends.batching import Request as EncodeRequest
 from ..backends.continuous_batching import Request as GenerateRequest
 from ..backends.tokenizing import TokenizingEncoder
 from ..backends.transformers_generation import TransformersGenerator
+from ..cli import ServerConfig
 from ..errors import NotReady, ServerError
 from ..generation.params import ChoiceDelta
 from ..generation.sequence import SequenceState
-from ..loading import freeze_loaded_heap
+from ..loading import freeze_loaded_heap, tokenizer_class_name
 from ..metrics import model_loaded
 from . import STOP_SIGNAL
 from .channel import Channel, new_socket
@@ -61,7 +62,7 @@ class Engine:
         backend: EncoderBackend | GenerationBackend,
         address: str,
         fronts: int,
-        model_name: str = "model",
+        model_name: str = ServerConfig.model_name,
     ):
         self.backend = backend
         self.address = address
@@ -120,15 +121,21 @@ class Engine:
         self.broadcast()
 
     def state(self) -> EngineState:
-        facts = None
-        if self.loaded and isinstance(self.backend, GenerationBackend):
-            backend = self.backend
+        if not self.loaded:
+            return EngineState(False, len(self.fronts))
+        facts, encoder = None, None
+        backend = self.backend
+        if isinstance(backend, GenerationBackend):
             facts = ModelFacts(
                 backend.max_model_len,
                 int(getattr(backend, "vocab_size", 0)),
                 backend.is_encoder_decoder,
             )
-        return EngineState(self.loaded, len(self.fronts), facts)
+        if isinstance(backend, TokenizingEncoder):
+            encoder = backend.facts
+        tokenizer = getattr(backend, "tokenizer", None)
+        name = None if tokenizer is None else tokenizer_class_name(tokenizer)
+        return EngineState(True, len(self.fronts), facts, encoder, name)
 
     def broadcast(self) -> None:
         state = self.state()

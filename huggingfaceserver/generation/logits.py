@@ -21,7 +21,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..errors import BadRequest, ServerError
-from .constraints import GrammarMatcher, mask_disallowed
+from .constraints import GrammarMatcher
+from .masks import mask_disallowed
 from .params import SamplingParams, TokenLogprob
 from .penalties import PenalizedRow, PenaltyCounts, apply_penalties, per_row
 
@@ -107,7 +108,7 @@ def processed_logits(
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, Exception]:
     """Bias, min_tokens, penalties (in vLLM's order), then the grammar masks of constrained
     rows, in place. Returns the rows whose grammar cannot go on, by row index (see
-    :func:`~.constraints.mask_disallowed`)."""
+    :func:`~.masks.mask_disallowed`)."""
     apply_logit_bias(logits, [row.params.logit_bias for row in rows])
     suppress_tokens(logits, [row.stop_ids if holds_back_stops(row) else () for row in rows])
     apply_penalties(logits, rows)

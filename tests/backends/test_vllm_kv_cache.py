@@ -150,7 +150,8 @@ def test_the_real_machines_memory_is_readable():
 
 
 def source_for(folder: Path, config) -> ModelSource:
-    return ModelSource(folder, folder, config, Task.text_generation, None)
+    config.save_pretrained(folder)
+    return ModelSource(folder, folder, Task.text_generation, None, config.architectures or [])
 
 
 @pytest.fixture

@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from huggingfaceserver.errors import BadRequest
-from huggingfaceserver.generation.constraints import (
-    GrammarMatcher,
-    Grammars,
-    mask_disallowed,
-    unpack_bitmask,
-)
+from huggingfaceserver.generation.constraints import GrammarMatcher, Grammars
+from huggingfaceserver.generation.masks import mask_disallowed, unpack_bitmask
 from huggingfaceserver.generation.params import Constraint
 
 NEG_INF = float("-inf")

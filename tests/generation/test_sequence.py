@@ -18,7 +18,8 @@ from huggingfaceserver.generation.params import (
     FinishReason,
     SamplingParams,
 )
-from huggingfaceserver.generation.sequence import ChoiceText, SequenceState, advance
+from huggingfaceserver.generation.sequence import SequenceState, advance
+from huggingfaceserver.generation.text import ChoiceText
 
 STEPS = 6
 Outcomes = dict[str, list[ChoiceDelta | Exception]]
