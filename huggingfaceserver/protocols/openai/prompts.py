@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...errors import BadRequest
+from ...errors import BadRequest, ServerError
 from ..kserve_model import GenerationModel
 from .chat_template import (
     render_request_template,
@@ -188,6 +188,8 @@ def chat_text(
         )
     except TemplateLimit as exc:
         raise template_limit_error(exc) from None
+    except ServerError:  # the request template's worker did not start: not the template's fault
+        raise
     except Exception as exc:  # template code from the request or the model: any failure
         raise BadRequest(f"the chat template failed on these messages: {exc!r}"[:2000]) from None
 

@@ -1,9 +1,9 @@
 """Request chat templates: rendered as transformers' ``apply_chat_template`` renders them, and
-stopped (quickly, without allocating) by the sandbox's time, size and output limits."""
+stopped by the sandbox's time, memory, size and output limits, in its worker process (this
+process allocates nothing for them)."""
 
 from __future__ import annotations
 
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -18,11 +18,11 @@ from huggingfaceserver.protocols.openai.chat_template import (
 )
 from huggingfaceserver.protocols.openai.requests import ChatCompletionRequest
 from huggingfaceserver.protocols.openai.template_sandbox import (
-    MAX_CHARS,
+    MAX_OUTPUT_CHARS,
     MAX_SECONDS,
     MAX_SOURCE_CHARS,
     TemplateLimit,
-    text_size,
+    sandbox,
 )
 
 CHATML = (
@@ -169,7 +169,7 @@ def test_template_errors_are_raised_as_transformers_raises_them(tokenizer):
 
 HOSTILE = {
     "repetition": "{{ ('x'*1200000000)|length }}",
-    "power": "{{ (2 ** 100000000) % 7 }}",
+    "power": "{{ (2 ** 10000000000) % 7 }}",
     "doubling": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
     "padding": "{{ 'x'|center(1000000000) }}",
@@ -178,7 +178,7 @@ HOSTILE = {
     "replace": "{% set s = 'x'*3000 %}{{ s.replace('x', s).replace('x', s)|length }}",
     "join": "{% set s = 'x'*4000000 %}{{ ([s]*1000)|join|length }}",
     "shared items": "{% set s = 'x'*4000000 %}{{ ([s]*1000)|string|length }}",
-    "indent": "{{ ('\n'*1000000)|indent(1000)|length }}",
+    "indent": "{{ ('x\n'*1000000)|indent(1000)|length }}",
     "tojson": "{% set s = 'x'*4000000 %}{{ ([s]*100)|tojson|length }}",
     "lists kept": "{% set ns = namespace(x=[]) %}{% for i in range(1000) %}"
     "{% set ns.x = ns.x + [[0]*1000000] %}{% endfor %}{{ ns.x|length }}",
@@ -187,7 +187,8 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("template", HOSTILE.values(), ids=list(HOSTILE))
-def test_a_template_that_grows_stops_before_it_allocates(template):
+def test_a_template_that_grows_stops_in_its_worker(template):
+    sandbox.warm()  # a worker replaced after the previous case: its start-up is not the render's
     tracemalloc.start()
     started = time.monotonic()
     try:
@@ -196,18 +197,17 @@ def test_a_template_that_grows_stops_before_it_allocates(template):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - started < MAX_SECONDS
-    assert peak < 80 * 2**20  # the render budget (64 MiB) and change, not gigabytes
+    assert time.monotonic() - started < MAX_SECONDS + 1  # the deadline, and the kill
+    assert peak < 16 * 2**20  # the request and the reply: the template ran elsewhere
 
 
 def test_a_template_that_loops_stops_at_the_time_limit():
     template = "{% for i in range(12000) %}{% for j in range(12000) %}x{% endfor %}{% endfor %}"
-    tracer = sys.gettrace()  # a coverage tool's, say: put back afterwards
+    sandbox.warm()
     started = time.monotonic()
     with pytest.raises(TemplateLimit, match=f"limit of {MAX_SECONDS:g} s"):
         render(template)
     assert MAX_SECONDS <= time.monotonic() - started < MAX_SECONDS + 1
-    assert sys.gettrace() is tracer
 
 
 def test_a_template_longer_than_the_limit_is_refused_unread():
@@ -216,29 +216,11 @@ def test_a_template_longer_than_the_limit_is_refused_unread():
 
 
 def test_output_up_to_the_limit_renders():
-    text = render("{{ 'x' * n }}", chat_template_kwargs={"n": MAX_CHARS})
-    assert text == "x" * MAX_CHARS
+    text = render("{{ 'x' * n }}", chat_template_kwargs={"n": MAX_OUTPUT_CHARS})
+    assert text == "x" * MAX_OUTPUT_CHARS
 
 
 def test_the_sandbox_still_refuses_internals():
     with pytest.raises(Exception, match="unsafe|not safely|underscore"):
         render("{{ namespace(_x=1) }}")
     assert render("{{ ''.__class__ }}|{{ cycler.__init__ }}") == "|"
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        "abc",
-        12345678901234567890,
-        -(2**200),
-        3.25,
-        None,
-        ["a", 1, ("b", [2.5, None])],
-        {"k": ["v", {"x": -1}]},
-        {"é", "ü"},
-    ],
-    ids=repr,
-)
-def test_text_size_is_at_least_the_str_length(value):
-    assert text_size(value) >= len(str(value))
