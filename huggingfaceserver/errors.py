@@ -1,21 +1,26 @@
 """Exceptions that carry their status, and the one handler per protocol that renders them.
 
 Client faults subclass :class:`kserve.errors.InvalidInput` too, so KServe's gRPC interceptor
-maps them to ``INVALID_ARGUMENT`` without a handler of ours.
+maps them to ``INVALID_ARGUMENT`` without a handler of ours. KServe's own client-side exceptions
+are answered here too, as KServe answers them but without the traceback its handlers log.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kserve.errors import InvalidInput
+from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady, ServerNotReady
 from pydantic import ValidationError
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, QueryParams
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -111,14 +116,74 @@ VERSIONS_NOT_SERVED = (
 
 
 async def not_implemented_handler(_: Request, exc: Exception) -> JSONResponse:
-    """KServe answers a ``model_version`` with 501 (its versioning is a TODO): no such version
-    exists here, so it is a 404. Anything else not implemented stays a 501."""
-    if "version" in str(exc).lower():
-        return JSONResponse(
-            status_code=HTTPStatus.NOT_FOUND, content={"error": VERSIONS_NOT_SERVED}
-        )
+    """A 501, logged (KServe's own handler, which this replaces, logs it as "Exception:")."""
     logger.error("not implemented: %s", exc, exc_info=exc)
     return JSONResponse(status_code=HTTPStatus.NOT_IMPLEMENTED, content={"error": str(exc)})
+
+
+class ModelVersions:
+    """ASGI middleware: a request that names a ``model_version`` to a route that takes one
+    (KServe's V2 model routes: ``/v2/models/{model_name}/versions/{model_version}...``, or
+    ``?model_version=`` on the others) is a 404, answered before the route runs. KServe's route
+    would answer 501 (its versioning is a TODO), but no such version exists here: the server
+    serves its model without one."""
+
+    def __init__(self, app: ASGIApp, routes: Callable[[], Sequence[BaseRoute]]):
+        self.app = app
+        self.routes = routes
+        """The application's routes (read per request: KServe's are registered later)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.names_a_version(scope):
+            response = JSONResponse(
+                status_code=HTTPStatus.NOT_FOUND, content={"error": VERSIONS_NOT_SERVED}
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def names_a_version(self, scope: Scope) -> bool:
+        """Whether the route that will serve the request (the first that fully matches, as the
+        router picks it) takes a ``model_version`` and the request gives it one, in the path
+        or else the query (as FastAPI reads it)."""
+        if "/versions/" not in scope["path"] and not scope.get("query_string"):
+            return False  # most requests: no route to match
+        for route in self.routes():
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                if not takes_a_version(getattr(route, "endpoint", None)):
+                    return False
+                version = child.get("path_params", {}).get("model_version")
+                query = QueryParams(scope.get("query_string", b""))
+                return bool(version or query.get("model_version"))
+        return False
+
+
+@functools.cache
+def takes_a_version(endpoint: Callable[..., Any] | None) -> bool:
+    """Whether a route's endpoint has a ``model_version`` parameter (KServe's published one)."""
+    if endpoint is None:
+        return False
+    return "model_version" in inspect.signature(endpoint).parameters
+
+
+KSERVE_CLIENT_ERRORS: dict[type[Exception], int] = {
+    InvalidInput: HTTPStatus.BAD_REQUEST,
+    ModelNotFound: HTTPStatus.NOT_FOUND,
+    ModelNotReady: HTTPStatus.SERVICE_UNAVAILABLE,
+    ServerNotReady: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+"""KServe's exceptions for a client fault or a server still loading, with the status KServe
+answers them with."""
+
+
+async def kserve_client_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """KServe's answer to its client-side exceptions (:data:`KSERVE_CLIENT_ERRORS`), without
+    the error and traceback its handlers log for each: with readiness probes every few
+    seconds while the model loads, those bury the real log. The gateway's request line has
+    the status."""
+    status = next(KSERVE_CLIENT_ERRORS[c] for c in type(exc).__mro__ if c in KSERVE_CLIENT_ERRORS)
+    return JSONResponse(status_code=status, content={"error": str(exc)})
 
 
 INTERNAL_ERROR = (
@@ -250,12 +315,18 @@ async def outermost_error_handler(request: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Our exceptions with their status, 400 (not 422) for bodies that do not validate, 404 for
-    model versions, and a 500 that leaks nothing for any other exception; call after KServe
-    adds its handlers, so that ours win, and before the gateway is added around the app."""
+    """Our exceptions with their status, KServe's client-side ones answered without a
+    traceback, 400 (not 422) for bodies that do not validate, 404 for model versions, and a
+    500 that leaks nothing for any other exception; call after KServe adds its handlers, so
+    that ours win, and before the gateway is added around the app."""
     app.add_exception_handler(ServerError, server_error_handler)
+    for kserve_error in KSERVE_CLIENT_ERRORS:
+        app.add_exception_handler(kserve_error, kserve_client_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(NotImplementedError, not_implemented_handler)
     app.add_exception_handler(Exception, outermost_error_handler)  # instead of KServe's
-    if not any(middleware.cls is UnexpectedErrors for middleware in app.user_middleware):
+    installed = {middleware.cls for middleware in app.user_middleware}
+    if ModelVersions not in installed:
+        app.add_middleware(ModelVersions, routes=lambda: app.router.routes)
+    if UnexpectedErrors not in installed:
         app.add_middleware(UnexpectedErrors)

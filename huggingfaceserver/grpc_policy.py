@@ -73,7 +73,11 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
         if handler is None or handler.unary_unary is None:
             return handler
         served = self.served(handler.unary_unary, method, method in ADMITTED_METHODS)
-        return handler._replace(unary_unary=served)
+        return grpc.unary_unary_rpc_method_handler(
+            served,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     def authorized(self, details: grpc.HandlerCallDetails) -> bool:
         if self.key is None:

@@ -26,21 +26,6 @@ LOG_FORMAT = "%(asctime)s.%(msecs)03d %(process)s %(name)s %(levelname)s %(messa
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 BATCH_INTERVAL_S = 0.02
 
-# KServe's handlers for these client-side answers (4xx, 503 while loading) log a full
-# traceback each time: with readiness probes every few seconds that buries the real log.
-QUIET_KSERVE_HANDLERS = frozenset(
-    {
-        "invalid_input_handler",
-        "model_not_found_handler",
-        "model_not_ready_handler",
-        "server_not_ready_handler",
-    }
-)
-
-
-def quiet_client_errors(record: logging.LogRecord) -> bool:
-    return record.funcName not in QUIET_KSERVE_HANDLERS
-
 
 class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Formats records as they come, writes them to the stream in batches."""
@@ -139,7 +124,6 @@ def configure_logging(log_format: str = ServerConfig.log_format) -> None:
     package_logger.handlers[:] = [handler]
     package_logger.setLevel(logging.INFO)
     package_logger.propagate = False
-    logging.getLogger("kserve").addFilter(quiet_client_errors)
     # KServe's routes answer with FastAPI's ORJSONResponse, which FastAPI now deprecates:
     # a warning on the first request that the operator can do nothing about.
     warnings.filterwarnings("ignore", message="ORJSONResponse is deprecated")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,28 @@ def test_model_versions_are_404_and_explain_is_400(server):
     assert explain.status_code == 400
     over_grpc = grpc_call(server, "version", "Hi", key=KEY)
     assert over_grpc["status"] == "StatusCode.NOT_FOUND" and "version" in over_grpc["message"]
+
+
+def test_client_faults_leave_no_traceback_in_the_log(server):
+    """KServe's handlers logged an error with a traceback for each unknown model, unreadable
+    body, and 503 readiness probe while loading; the server answers them the same, with the
+    gateway's request line only."""
+    since = len(server.log())
+    faults = {
+        "unknown-model": ("GET", "/v2/models/nope/ready", None, 404),
+        "unreadable-body": ("POST", "/v1/models/llama:predict", b'{"instances": [', 400),
+        "model-version": ("GET", "/v2/models/llama/versions/2", None, 404),
+    }
+    for request_id, (method, path, body, code) in faults.items():
+        headers = {**AUTH, "x-request-id": request_id}
+        response = httpx.request(method, server.url + path, content=body, headers=headers)
+        assert response.status_code == code, response.text
+        assert isinstance(response.json()["error"], str)
+        server.wait_for_log(rf'request {request_id} "{method} {re.escape(path)}" {code}', since)
+    log = server.log()
+    loading = log[: log.index("model llama is ready")]  # the probes answered 503 while loading
+    assert "Traceback" not in loading + log[since:], log
+    assert "Exception:" not in loading + log[since:], log
 
 
 def test_repository_unload_then_load_serves_again(server):
