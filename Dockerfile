@@ -56,9 +56,7 @@ ENV LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 USER 1000
 WORKDIR /home/hf
-# The server imported once, as its user: transformers' import table is stored for every start
-# (0.3 s of each; huggingfaceserver/import_table.py). An image that bakes a model in can also
-# store its ONNX export here: `python -m huggingfaceserver.backends.onnx --model_dir DIR`.
-RUN python -c "import huggingfaceserver.server"
+# An image that bakes a model in can store its ONNX export in the server's cache here, as its
+# user: `RUN python -m huggingfaceserver.backends.onnx --model_dir DIR`.
 EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "huggingfaceserver"]

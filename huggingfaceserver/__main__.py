@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
+
+QUIET_RESOURCE_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""A warnings filter (``PYTHONWARNINGS``) for multiprocessing's resource tracker only."""
 
 
-def stop_resource_tracker() -> None:
-    """A dead vLLM engine leaves shared memory behind, and Python's resource tracker warns about
-    it when the process exits, after our error line. Stop it first: our line stays the last."""
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker, "_resource_tracker", None)
-    stop = getattr(tracker, "_stop", None)  # private: checked, and harmless if it is gone
-    if callable(stop):
-        stop()
+def quiet_resource_tracker(environ: MutableMapping[str, str] = os.environ) -> None:
+    """multiprocessing's resource tracker, a process of its own, warns as the server exits
+    about the semaphores and shared memory a killed child left (it then removes them): printed
+    after our one-line error, the warning would bury it. Its interpreter reads the
+    ``PYTHONWARNINGS`` it inherits, to which this adds a filter for that module's warnings."""
+    current = [part for part in environ.get("PYTHONWARNINGS", "").split(",") if part]
+    if QUIET_RESOURCE_TRACKER not in current:
+        environ["PYTHONWARNINGS"] = ",".join([*current, QUIET_RESOURCE_TRACKER])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv, more_engine_flag_names=installed_engine_flag_names
     )
     configure_logging(config.log_format)
+    quiet_resource_tracker()  # before any child process or semaphore starts the tracker
     from .startup import importing
 
     with importing(freeze=True):
@@ -35,7 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serve(config)
     except StartupError as exc:
-        stop_resource_tracker()
         flush_logs()
         print(f"huggingfaceserver: error: {exc}", file=sys.stderr)
         return 1

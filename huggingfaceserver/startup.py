@@ -101,17 +101,7 @@ def importing(freeze: bool = False) -> Iterator[None]:
     import time, for nothing. ``freeze``: then move every object out of its way for good
     (``gc.freeze``; the little garbage that imports leave, under 1 MB, goes with them), so that
     the full collection after the model loads scans only what loading made (0.5 s less) - for
-    the server's process, not for a library import. Without ``freeze``, the outermost block
-    still spares the collector its first pass over them: with the collector off, everything
-    made since stays in the youngest generation, and the next collection would scan it all
-    (0.09 s after KServe's import). It moves the objects straight to the oldest generation,
-    where objects that live on end up anyway, and where only the rare full collections look
-    (``gc.freeze`` then ``gc.unfreeze``; skipped once anything is frozen for good, which
-    ``unfreeze`` would release). Libraries' import-time bugs are mended on the way
-    (:mod:`.import_fixes`)."""
-    from .import_fixes import install
-
-    install()
+    the server's process, not for a library import. The collector is left as it was found."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -120,8 +110,5 @@ def importing(freeze: bool = False) -> Iterator[None]:
         if freeze:
             gc.freeze()
             atexit.register(gc.unfreeze)  # collected at exit as before
-        elif enabled and gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()  # into the oldest generation, unscanned
         if enabled:
             gc.enable()

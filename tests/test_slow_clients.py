@@ -4,6 +4,7 @@ their connections closed, and the server's sockets are returned."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -35,9 +36,33 @@ def server(tiny_models: dict[str, Path], tmp_path_factory):
         yield process
 
 
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` has open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
 def open_sockets(pid: int) -> int:
-    fds = Path(f"/proc/{pid}/fd")
-    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
+    return len(socket_inodes(pid))
+
+
+def accepted(pid: int, clients: list[socket.socket]) -> int:
+    """How many of ``clients``' connections process ``pid`` has accepted: the server's side
+    of each (its remote port is the client's) among the process's open sockets."""
+    ports = {sock.getsockname()[1] for sock in clients}
+    mine = socket_inodes(pid)
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote_port = int(fields[2].split(":")[1], 16)
+        if remote_port in ports and int(fields[9]) in mine:
+            count += 1
+    return count
 
 
 def stall(server: ServerProcess) -> socket.socket:
@@ -72,7 +97,7 @@ def test_stalled_uploads_hold_no_slot_and_are_closed_at_the_deadline(server):
     stalled = [stall(server) for _ in range(STALLED)]
     try:
         # every stalled request has reached the server (its connection is accepted)
-        assert wait_until(lambda: open_sockets(pid) >= before + STALLED, 60)
+        assert wait_until(lambda: accepted(pid, stalled) == STALLED, 60), accepted(pid, stalled)
         response = httpx.post(
             f"{server.url}/v1/models/m:predict", json={"instances": ["a whole request"]}, timeout=30
         )

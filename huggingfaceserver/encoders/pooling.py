@@ -72,6 +72,7 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, config: PoolingConf
     """Pool token states ``[B, S, D]`` into sentence vectors ``[B, D]`` (right-padded input)."""
     import torch  # where the model runs (a front process only reads the configuration)
     import torch.nn.functional as F
+
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     if config.mode == "cls":
         pooled = hidden[:, 0]

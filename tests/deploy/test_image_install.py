@@ -79,28 +79,6 @@ def test_the_package_is_the_wheel_not_the_source_tree(image):
     assert Path(done.stdout.strip()).is_relative_to(image.host("/opt/venv"))
 
 
-def test_the_image_stores_transformers_import_table_for_every_start(image):
-    """The build imports the server once, as its user: the table is in the image's store,
-    and a start of the image reads it from there rather than building it."""
-    store = image.host(image.stage.env["HUGGINGFACESERVER_CACHE"])
-    assert [path.name for path in store.iterdir()] == [
-        next(store.glob("transformers-import-table-*.json")).name
-    ]
-    probe = (
-        "import huggingfaceserver.server; from transformers.utils import import_utils; "
-        "print(import_utils.create_import_structure_from_path.origin)"
-    )
-    done = subprocess.run(
-        [*image.executable("python"), "-c", probe],
-        cwd=image.host(image.workdir),
-        env=image.container_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["store"]
-
-
 async def test_the_entrypoint_serves_minilm_as_the_tests_do(image, minilm_path, encoder):
     """The image's ENTRYPOINT with the image's environment, outside the source tree: the
     package comes from the wheel, and its embeddings are this environment's."""

@@ -1,5 +1,5 @@
-"""Exports kept between starts, in the server's cache directory (see :func:`~..import_table.
-cache_dir`): ``onnx/<key>/model.onnx`` and its ``record.json``.
+"""Exports kept between starts, in the server's cache directory (:func:`cache_dir`):
+``onnx/<key>/model.onnx`` and its ``record.json``.
 
 The key is a digest of the model's files (their contents: config, weights, a shipped export),
 of what the graph is for (:class:`~.export.GraphSpec`) and of the versions of the libraries that
@@ -20,19 +20,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...import_table import cache_dir
 from ...loading import ModelSource
 from . import OnnxUnavailable
 from .export import SHIPPED_FILES, GraphSpec, build
 
 logger = logging.getLogger(__name__)
 
+CACHE_ENV = "HUGGINGFACESERVER_CACHE"
 FORMAT = 1
 """Bumped whenever the export recipe changes: every stored export is then a miss."""
 LIBRARIES = ("torch", "transformers", "onnxruntime", "onnx")
@@ -42,6 +42,21 @@ GRAPH_FILE = "model.onnx"
 RECORD_FILE = "record.json"
 
 S = TypeVar("S")
+
+
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The server's cache directory: ``$HUGGINGFACESERVER_CACHE``, else
+    ``$XDG_CACHE_HOME/huggingfaceserver``, else ``~/.cache/huggingfaceserver``; None where there
+    is nowhere to keep it (no home directory, as for a container user without one and without
+    ``HOME``)."""
+    if environ.get(CACHE_ENV):
+        return Path(environ[CACHE_ENV])
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "huggingfaceserver"
+    home = os.path.expanduser("~")
+    if home.startswith("~"):
+        return None
+    return Path(home) / ".cache" / "huggingfaceserver"
 
 
 def library_versions() -> dict[str, str]:

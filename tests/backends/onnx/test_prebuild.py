@@ -4,7 +4,7 @@ read at start."""
 from __future__ import annotations
 
 from huggingfaceserver.backends.onnx.__main__ import main
-from huggingfaceserver.import_table import CACHE_ENV
+from huggingfaceserver.backends.onnx.store import CACHE_ENV
 from tests.harness import load_model
 
 

@@ -1,12 +1,13 @@
 """The export cache: a second start reads what the first built; a changed model, spec or
 library version is a miss; a damaged entry (record, size, a graph ONNX Runtime refuses) is built
 again and mended; an unwritable cache costs only the export; a folder's own ``onnx/model.onnx``
-is used when it fits and checks out, and skipped when it does not."""
+is used when it fits and checks out, and skipped when it does not; where the cache is."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from huggingfaceserver.backends.onnx import OnnxUnavailable
 from huggingfaceserver.backends.onnx.export import GraphSpec
 from huggingfaceserver.backends.onnx.session import OnnxSession
 from huggingfaceserver.backends.onnx.store import (
+    CACHE_ENV,
     GRAPH_FILE,
     RECORD_FILE,
     ExportStore,
     StoredGraph,
+    cache_dir,
     export_key,
     library_versions,
 )
@@ -182,3 +185,11 @@ def test_a_shipped_graph_that_differs_from_the_weights_is_skipped_for_an_export(
     weights.write_bytes(bytes(data))
     graph = open_graph(ExportStore(tmp_path / "other"), model)
     assert graph.record["built"]["origin"] == "export"
+
+
+def test_where_the_cache_is(monkeypatch):
+    assert cache_dir({CACHE_ENV: "/volume/cache"}) == Path("/volume/cache")
+    assert cache_dir({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/huggingfaceserver")
+    assert cache_dir({}) == Path.home() / ".cache" / "huggingfaceserver"
+    monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # no HOME, no passwd entry
+    assert cache_dir({}) is None
