@@ -67,7 +67,7 @@ run-llm: install
 	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir $(LLM_DIR) \
 		--model_name llm --backend $(BACKEND) --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
 
-test: install install-vllm
+test: install install-vllm lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The vLLM tier against another vLLM release: make test-vllm VLLM_VERSION=0.32.0
