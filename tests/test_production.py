@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from .harness import REPO, ServerProcess, run_server, status, wait_until
-from .prometheus import Samples, scrape
+from .prometheus import Samples
 
 pytestmark = pytest.mark.slow
 
@@ -70,15 +71,23 @@ def grpc_call(server: ServerProcess, *args: str, key: str | None = None) -> dict
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def stream_chat(url: str, max_tokens: int = 48) -> tuple[int, str | None, list[str]]:
-    """(status, Retry-After, SSE data lines) of one streamed chat."""
+def stream_chat(
+    url: str, max_tokens: int = 48, started: threading.Event | None = None
+) -> tuple[int, str | None, list[str]]:
+    """(status, Retry-After, SSE data lines) of one streamed chat; ``started`` is set at its
+    first event."""
     body = {
         "messages": [{"role": "user", "content": "Hello"}],
         "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
     }  # fmt: skip
     url = f"{url}/openai/v1/chat/completions"
     with httpx.stream("POST", url, json=body, headers=AUTH, timeout=120) as response:
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        lines = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if started is not None:
+                    started.set()
         return response.status_code, response.headers.get("retry-after"), lines
 
 
@@ -216,10 +225,12 @@ def test_repository_unload_then_load_serves_again(server):
 
 
 def test_sigterm_turns_readiness_false_and_lets_streams_finish(server):
+    started = [threading.Event(), threading.Event()]
     with ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(stream_chat, server.url, 100) for _ in range(2)]
-        in_flight = lambda: scrape(server.url).value("hfserver_requests_in_flight") >= 2  # noqa: E731
-        assert wait_until(in_flight, timeout=30)
+        # decoded together (the tiny model's context leaves room for 100 tokens each): both
+        # have their first token when the signal comes, and the rest to stream after it
+        streams = [pool.submit(stream_chat, server.url, 100, event) for event in started]
+        assert all(event.wait(30) for event in started)
         server.process.send_signal(signal.SIGTERM)
         assert wait_until(lambda: status(server.url + "/v2/health/ready") != 200, timeout=1.0)
         answers = [s.result() for s in streams]
