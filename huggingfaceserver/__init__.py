@@ -1,5 +1,7 @@
 """huggingfaceserver: serve Hugging Face models over KServe V1/V2 and OpenAI-compatible APIs."""
 
-from . import _kserve  # noqa: F401 - first, so kserve never parses our argv
+from ._kserve import import_kserve
+
+import_kserve()  # first: KServe parses sys.argv when imported, and must not parse ours
 
 __version__ = "0.1.0"

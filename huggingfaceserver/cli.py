@@ -310,7 +310,7 @@ def _spellings(name: str) -> list[str]:
 
 
 def _kserve_parser() -> argparse.ArgumentParser:
-    from ._kserve import model_server
+    from kserve import model_server  # its argv parse was kept from ours (see ._kserve)
 
     return model_server.parser
 

@@ -1,44 +1,87 @@
-"""KServe's HTTP and gRPC servers, started on ports we bind ourselves.
+"""The HTTP and gRPC servers this package owns, as MLServer owns its servers.
 
-What ``kserve.ModelServer.start`` does, with two differences: the HTTP socket is ours (several
-front processes share a port with ``SO_REUSEPORT``; gRPC servers always set it), and KServe's
-timing middleware is left out (two ``getrusage`` calls and two trace log lines per request,
-the largest single cost of a small request).
+KServe's V1/V2 routes go on a FastAPI app of ours (through KServe's published
+``register_v1_endpoints`` / ``register_v2_endpoints``), served by our uvicorn on a socket we bind
+ourselves (several front processes share a port with ``SO_REUSEPORT``); KServe's gRPC servicer
+goes on our ``grpc.aio`` server. Our stop signal handlers drain: readiness false and new requests
+refused at once, uvicorn told to stop (requests in flight finish), then gRPC stopped with the
+grace period. KServe's timing middleware is left out (two ``getrusage`` calls and two trace log
+lines per request, the largest single cost of a small request), and so are its OpenAI and
+time-series routes (this server mounts its own OpenAI routes and serves no time series).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
+from collections.abc import Awaitable
 from concurrent import futures
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import ORJSONResponse
 from grpc import aio
-from kserve import ModelServer  # noqa: E402 - see above
+from kserve.errors import (
+    InferenceError,
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    ServerNotLive,
+    ServerNotReady,
+    UnsupportedProtocol,
+    generic_exception_handler,
+    inference_error_handler,
+    invalid_input_handler,
+    model_not_found_handler,
+    model_not_ready_handler,
+    not_implemented_error_handler,
+    server_not_live_handler,
+    server_not_ready_handler,
+    unsupported_protocol_error_handler,
+)
+from kserve.protocol.dataplane import DataPlane
 from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc
 from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
-from kserve.protocol.grpc.server import GRPCServer  # noqa: E402
 from kserve.protocol.grpc.servicer import InferenceServicer
-from kserve.protocol.rest.server import RESTServer  # noqa: E402
+from kserve.protocol.model_repository_extension import ModelRepositoryExtension
+from kserve.protocol.rest.server import metrics_handler
+from kserve.protocol.rest.ssl_cert_refresher import SSLCertRefresher
+from kserve.protocol.rest.v1_endpoints import register_v1_endpoints
+from kserve.protocol.rest.v2_endpoints import register_v2_endpoints
+from kserve.utils.inference_client_factory import InferenceClientFactory
 from starlette.routing import BaseRoute
 
-from ._kserve import (
-    model_server,  # first: kserve parses argv when imported without it
-    without_kserve_openai,
-)
+from . import __version__, metrics
 from .admission import Admission
 from .errors import StartupError, install_error_handlers
 from .gateway import ServerState
 from .grpc_policy import PolicyInterceptor
+from .protocols.openai.models import ServedModels
+from .protocols.openai.routes import mount_openai
 from .repository import REPOSITORY_PATH
 
 logger = logging.getLogger(__name__)
 
 HTTP_HOST = "0.0.0.0"  # as KServe's uvicorn binds
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)  # those KServe stopped on
+
+KSERVE_ERROR_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
+    (InvalidInput, invalid_input_handler),
+    (InferenceError, inference_error_handler),
+    (ModelNotFound, model_not_found_handler),
+    (ModelNotReady, model_not_ready_handler),
+    (NotImplementedError, not_implemented_error_handler),
+    (UnsupportedProtocol, unsupported_protocol_error_handler),
+    (ServerNotLive, server_not_live_handler),
+    (ServerNotReady, server_not_ready_handler),
+    (Exception, generic_exception_handler),
+)
+"""What KServe's REST server installs on its app, in its order."""
 
 
 def http_socket(port: int, shared: bool) -> socket.socket:
@@ -80,6 +123,47 @@ class Rules:
     log_requests: bool = True
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the servers run: KServe's ModelServer flags, read from our parsed config."""
+
+    grpc_port: int | None
+    """None: no gRPC server (``--enable_grpc false``)."""
+    grace_period: int
+    """Seconds that requests in flight get to finish once a stop signal came."""
+    max_threads: int = 4
+    max_asyncio_workers: int | None = None
+    """Threads of the event loop's default executor; None: asyncio's default (KServe's
+    ``ModelServer`` sized the pool of a loop that ``asyncio.run`` then replaced, so the
+    flag had no effect there)."""
+    timeout_keep_alive: int = 65
+    event_loop: str = "auto"
+    """Given to uvicorn's config, as KServe does; the servers run under ``asyncio.run``, as
+    under KServe's ``ModelServer``, so that uvicorn does not pick the loop."""
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    access_log_format: str | None = None
+    grpc_max_send_message_length: int | None = None
+    grpc_max_receive_message_length: int | None = None
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any], grace_period: int) -> ServingOptions:
+        """From ``ServerConfig.server`` (the KServe flags)."""
+        return cls(
+            grpc_port=flags["grpc_port"] if flags["enable_grpc"] else None,
+            grace_period=grace_period,
+            max_threads=flags["max_threads"],
+            max_asyncio_workers=flags["max_asyncio_workers"],
+            timeout_keep_alive=flags["timeout_keep_alive"],
+            event_loop=flags["event_loop"],
+            ssl_certfile=flags["ssl_certfile"],
+            ssl_keyfile=flags["ssl_keyfile"],
+            access_log_format=flags["access_log_format"],
+            grpc_max_send_message_length=flags["grpc_max_send_message_length"],
+            grpc_max_receive_message_length=flags["grpc_max_receive_message_length"],
+        )
+
+
 def prune_repository_routes(app: FastAPI) -> None:
     """KServe's ``/v2/repository/...`` routes, gone (404) unless the repository is enabled."""
     kept: list[BaseRoute] = [
@@ -88,55 +172,94 @@ def prune_repository_routes(app: FastAPI) -> None:
     app.router.routes[:] = kept
 
 
-class PolicyGRPCServer(GRPCServer):
-    """KServe's gRPC server with our rules' interceptor in front of KServe's own."""
+def build_app(
+    dataplane: DataPlane,
+    repository: ModelRepositoryExtension,
+    openai_prefix: str,
+    enable_repository: bool = True,
+    enable_docs_url: bool = False,
+) -> FastAPI:
+    """The HTTP app: ``/metrics``, our OpenAI routes, KServe's liveness, V1 and V2 routes, then
+    KServe's error handlers with ours over them. Call once the models are registered; the
+    gateway and CORS go around it afterwards (:func:`~.server.install_gateway`)."""
+    app = FastAPI(
+        title="huggingfaceserver",
+        version=__version__,
+        docs_url="/docs" if enable_docs_url else None,
+        redoc_url=None,
+        default_response_class=ORJSONResponse,  # as KServe's app: its routes return dicts
+    )
+    if os.environ.get(metrics.MULTIPROC_ENV):
+        metrics.mount(app)  # every front process's values, read from their shared folder
+    else:  # this process's registry, answered on the loop, as KServe answers it
+        app.add_api_route("/metrics", metrics_handler, methods=["GET"])
+    install_error_handlers(app)  # its middleware inside the gateway's
+    mount_openai(app, ServedModels(dataplane.model_registry), openai_prefix)
+    app.add_api_route("/", dataplane.live)
+    register_v1_endpoints(app, dataplane, repository)
+    register_v2_endpoints(app, dataplane, repository)
+    if not enable_repository:
+        prune_repository_routes(app)
+    for exception, handler in KSERVE_ERROR_HANDLERS:
+        app.add_exception_handler(exception, handler)
+    install_error_handlers(app)  # ours win over KServe's
+    return app
 
-    def __init__(self, *args: Any, rules: Rules, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.rules = rules
 
-    async def start(self, max_workers: int) -> None:
-        servicer = InferenceServicer(self._data_plane, self._model_repository_extension)
-        rules = self.rules
-        policy = PolicyInterceptor(
-            rules.admission, rules.state, rules.api_key, rules.enable_repository, rules.log_requests
-        )
-        self._server = aio.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
-            interceptors=(policy, ExceptionToStatusInterceptor()),
-            options=[
-                ("grpc.max_send_message_length", self._kwargs.get("grpc_max_send_message_length")),
-                (
-                    "grpc.max_receive_message_length",
-                    self._kwargs.get("grpc_max_receive_message_length"),
-                ),
-            ],
-        )
-        grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
-        self._server.add_insecure_port(f"[::]:{self._port}")
-        await self._server.start()
-        await self._server.wait_for_termination()
+def install_access_log(app: FastAPI, access_log_format: str | None) -> None:
+    """``--access_log_format``: asgi-logger's access lines, outermost, as KServe adds them."""
+    if not access_log_format:
+        return
+    from asgi_logger import AccessLoggerMiddleware
+
+    logging.getLogger("uvicorn.access").handlers = []  # no duplicate lines
+    app.add_middleware(AccessLoggerMiddleware, format=access_log_format)
+    logging.getLogger("access").propagate = False
 
 
-def drain_on_exit_signal(rest: RESTServer, state: ServerState) -> None:
-    """The moment uvicorn is told to stop (SIGTERM), readiness turns false and new requests
-    are refused while those in flight finish."""
-    uvicorn_server = rest._server  # noqa: SLF001
-    handle_exit = uvicorn_server.handle_exit
+def grpc_server(
+    options: ServingOptions,
+    dataplane: DataPlane,
+    repository: ModelRepositoryExtension,
+    rules: Rules,
+) -> aio.Server:
+    """KServe's gRPC servicer behind our rules' interceptor and KServe's error mapping."""
+    policy = PolicyInterceptor(
+        rules.admission, rules.state, rules.api_key, rules.enable_repository, rules.log_requests
+    )
+    server = aio.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_threads),
+        interceptors=(policy, ExceptionToStatusInterceptor()),
+        options=[
+            ("grpc.max_send_message_length", options.grpc_max_send_message_length),
+            ("grpc.max_receive_message_length", options.grpc_max_receive_message_length),
+        ],
+    )
+    servicer = InferenceServicer(dataplane, repository)
+    grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"[::]:{options.grpc_port}")
+    return server
 
-    def draining_exit(sig: int, frame: FrameType | None) -> None:
-        if not state.draining:
-            announce_draining()
-        state.draining = True
-        handle_exit(sig, frame)
 
-    uvicorn_server.handle_exit = draining_exit  # type: ignore[method-assign]
+def http_server(app: FastAPI, options: ServingOptions) -> uvicorn.Server:
+    """uvicorn configured as KServe's REST server configures it."""
+    config = uvicorn.Config(
+        app,
+        host=HTTP_HOST,
+        log_config=None,  # logging is configured already
+        timeout_graceful_shutdown=options.grace_period,
+        timeout_keep_alive=options.timeout_keep_alive,
+        loop=options.event_loop,
+        ssl_certfile=options.ssl_certfile,
+        ssl_keyfile=options.ssl_keyfile,
+    )
+    return uvicorn.Server(config)
 
 
 def announce_draining() -> None:
-    """Log that the server drains, from a signal handler: not there and then (the handler may
-    have interrupted a log call holding the handler's locks, which would deadlock the process
-    for good), but on the event loop once the handler returns."""
+    """Log that the server drains, on the event loop: safe to call from a signal handler too
+    (logging there and then could deadlock the process for good, the handler having
+    interrupted a log call that holds the log handler's locks)."""
     message = "draining: readiness false, requests in flight finish"
     try:
         loop = asyncio.get_running_loop()
@@ -145,46 +268,84 @@ def announce_draining() -> None:
     loop.call_soon_threadsafe(logger.info, message)
 
 
-def start_servers(server: ModelServer, sock: socket.socket, rules: Rules) -> None:
-    """Serve REST on ``sock`` and gRPC on its port until a signal stops them."""
-    rest = RESTServer(
-        model_server.FASTAPI_APP_IMPORT_STRING,
-        server.dataplane,
-        server.model_repository_extension,
-        server.http_port,
-        access_log_format=server.access_log_format,
-        grace_period=server.grace_period,
-        event_loop=server.event_loop,
-        timeout_keep_alive=server.timeout_keep_alive,
-        ssl_certfile=server.ssl_certfile,
-        ssl_keyfile=server.ssl_keyfile,
-    )
-    if server.access_log_format:
-        from asgi_logger import AccessLoggerMiddleware
+class Listeners:
+    """The HTTP server on our socket and the gRPC server, from start to a drained stop."""
 
-        logging.getLogger("uvicorn.access").handlers = []
-        model_server.app.add_middleware(AccessLoggerMiddleware, format=server.access_log_format)
-        logging.getLogger("access").propagate = False
-    with without_kserve_openai():
-        rest._register_endpoints(model_server.app)  # noqa: SLF001 - kserve has no public way to reuse them
-    if not rules.enable_repository:
-        prune_repository_routes(model_server.app)
-    rest._add_exception_handlers(model_server.app)  # noqa: SLF001
-    install_error_handlers(model_server.app)  # ours win over KServe's
-    drain_on_exit_signal(rest, rules.state)
-    server._rest_server = rest  # noqa: SLF001 - what ModelServer.stop looks for
-    server.servers.append(rest._server.serve(sockets=[sock]))  # noqa: SLF001
-    if server.enable_grpc:
-        grpc = PolicyGRPCServer(
-            server.grpc_port,
-            server.dataplane,
-            server.model_repository_extension,
-            kwargs=vars(model_server.args),
-            grace_period=server.grace_period,
-            rules=rules,
-        )
-        server._grpc_server = grpc  # noqa: SLF001
-        server.servers.append(grpc.start(server.max_threads))
-    server.setup_event_loop()
-    server.register_signal_handler()
-    asyncio.run(server._serve())  # noqa: SLF001
+    def __init__(
+        self,
+        app: FastAPI,
+        sock: socket.socket,
+        options: ServingOptions,
+        dataplane: DataPlane,
+        repository: ModelRepositoryExtension,
+        rules: Rules,
+    ):
+        self.http = http_server(app, options)
+        self.sock = sock
+        self.options = options
+        self.dataplane = dataplane
+        self.repository = repository
+        self.rules = rules
+        self.state = rules.state
+        self.grpc: aio.Server | None = None
+        """Built on the loop that serves it (grpc.aio binds a server to the loop it is made on)."""
+
+    def stop(self) -> None:
+        """A stop signal: at the first, readiness turns false and new requests are refused
+        while those in flight finish; uvicorn stops once they have."""
+        if not self.state.draining:
+            announce_draining()
+        self.state.draining = True
+        self.http.should_exit = True
+
+    async def serve_http(self) -> None:
+        """HTTP until stopped, then the rest: gRPC (its calls get the grace period), KServe's
+        predictor clients, and the models (each told to stop, once per name)."""
+        config = self.http.config
+        config.load()
+        refresher = None
+        if config.ssl is not None and config.ssl_keyfile and config.ssl_certfile:
+            refresher = SSLCertRefresher(  # new certificates without a restart, as KServe's
+                ssl_context=config.ssl,
+                key_path=str(config.ssl_keyfile),
+                cert_path=str(config.ssl_certfile),
+            )
+        try:
+            await self.http.serve(sockets=[self.sock])
+        finally:
+            if refresher is not None:
+                refresher.stop()
+        logger.info("stopping the model server")
+        if self.grpc is not None:
+            await self.grpc.stop(grace=self.options.grace_period)
+        await InferenceClientFactory().close()
+        registry = self.dataplane.model_registry
+        for name in list(registry.get_models()):
+            registry.unload(name)
+
+    async def serve_grpc(self) -> None:
+        if self.grpc is None:
+            return
+        await self.grpc.start()
+        logger.info("gRPC on port %s", self.options.grpc_port)
+        await self.grpc.wait_for_termination()
+
+    async def serve(self, *background: Awaitable[None]) -> None:
+        """Serve, with ``background`` work alongside, until a stop signal (SIGTERM, SIGINT,
+        SIGQUIT) and the drain after it."""
+        loop = asyncio.get_running_loop()
+        if self.options.max_asyncio_workers is not None:
+            workers = self.options.max_asyncio_workers
+            loop.set_default_executor(futures.ThreadPoolExecutor(max_workers=workers))
+        if self.options.grpc_port is not None:
+            self.grpc = grpc_server(self.options, self.dataplane, self.repository, self.rules)
+        # uvicorn also captures SIGTERM and SIGINT while it serves (and re-raises them once
+        # stopped); these handlers run on the loop all the same, through its wakeup fd.
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.stop)
+        await asyncio.gather(self.serve_http(), self.serve_grpc(), *background)
+
+
+def run_servers(listeners: Listeners, *background: Awaitable[None]) -> None:
+    """Serve until stopped (see :meth:`Listeners.serve`), on a new event loop."""
+    asyncio.run(listeners.serve(*background))

@@ -1,4 +1,4 @@
-"""Builds the served model from a :class:`ServerConfig` and runs KServe's ModelServer."""
+"""Builds the served model from a :class:`ServerConfig` and serves it (:mod:`.listeners`)."""
 
 from __future__ import annotations
 
@@ -12,36 +12,43 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from kserve import ModelServer
-from kserve.constants.constants import INFERENCE_CONTENT_LENGTH_HEADER
+from kserve import logging as kserve_logging
+from kserve.constants.constants import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_HTTPS_PORT,
+    INFERENCE_CONTENT_LENGTH_HEADER,
+)
+from kserve.context import set_predictor_config
+from kserve.model_repository import ModelRepository
 from kserve.predictor_config import PredictorConfig
 from kserve.protocol.dataplane import DataPlane
 from kserve.protocol.infer_type import InferRequest
+from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 from kserve.protocol.rest.v2_datamodels import InferenceRequest
 from pydantic import ValidationError
 
 from . import metrics
-from ._kserve import model_server, sync_kserve_args
 from .admission import Admission, SharedSlots
 from .backends import BackendChoice, choose_backend, vllm_installed
 from .backends.base import EncoderBackend, GenerationBackend
 from .cli import ServerConfig
-from .errors import (
-    BadRequest,
-    ServerError,
-    StartupError,
-    describe_validation_error,
-    install_error_handlers,
-)
+from .errors import BadRequest, ServerError, StartupError, describe_validation_error
 from .gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
 from .layout import choose_layout, engine_bytes
-from .listeners import Rules, http_socket, start_servers
+from .listeners import (
+    Listeners,
+    Rules,
+    ServingOptions,
+    build_app,
+    http_socket,
+    install_access_log,
+    run_servers,
+)
 from .loading import ModelSource, device, load_source, read_chat_template
 from .logs import format_every_handler, quiet_access_log
 from .pod import read_pod_limits
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
-from .protocols.openai.models import ServedModels
-from .protocols.openai.routes import mount_openai, route_prefix
+from .protocols.openai.routes import route_prefix
 from .repository import SingleModelRepository
 from .startup import STARTUP
 
@@ -316,9 +323,10 @@ class ModelLoader:
             self.fail(model, exc)
 
 
-def _model_server(config: ServerConfig, state: ServerState) -> ModelServer:
+def predictor_config(config: ServerConfig) -> PredictorConfig:
+    """Where KServe's model base class sends requests in transformer mode (``--predictor_*``)."""
     s: dict[str, Any] = config.server
-    predictor = PredictorConfig(
+    return PredictorConfig(
         predictor_host=s["predictor_host"],
         predictor_protocol=s["predictor_protocol"],
         predictor_use_ssl=s["predictor_use_ssl"],
@@ -326,25 +334,23 @@ def _model_server(config: ServerConfig, state: ServerState) -> ModelServer:
         predictor_request_retries=s["predictor_request_retries"],
         predictor_health_check=s["enable_predictor_health_check"],
     )
-    server = ModelServer(
-        http_port=s["http_port"],
-        grpc_port=s["grpc_port"],
-        workers=s["workers"],
-        max_threads=s["max_threads"],
-        max_asyncio_workers=s["max_asyncio_workers"],
-        enable_grpc=s["enable_grpc"],
-        enable_docs_url=s["enable_docs_url"],
-        enable_latency_logging=s["enable_latency_logging"],
-        access_log_format=s["access_log_format"],
-        event_loop=s["event_loop"],
-        timeout_keep_alive=s["timeout_keep_alive"],
-        predictor_config=predictor,
-        ssl_certfile=s["ssl_certfile"],
-        ssl_keyfile=s["ssl_keyfile"],
-        grace_period=max(1, math.ceil(config.shutdown_grace_seconds)),
-    )
-    server.dataplane = ModelAwareDataPlane(model_registry=server.registered_models, state=state)
-    return server
+
+
+def configure_kserve_logging(config: ServerConfig) -> None:
+    """KServe's and uvicorn's loggers, as KServe's ModelServer configures them
+    (``--configure_logging``, ``--log_config_file``) unless they have handlers already."""
+    if config.server["configure_logging"] and not kserve_logging.logger.handlers:
+        kserve_logging.configure_logging(config.server["log_config_file"])
+
+
+def http_port(config: ServerConfig) -> int:
+    """``--http_port``; KServe's HTTPS port instead of its default HTTP port with TLS."""
+    s = config.server
+    if s["ssl_certfile"] and s["ssl_keyfile"] and s["http_port"] == DEFAULT_HTTP_PORT:
+        logger.info("SSL enabled, switching listen port to %d", DEFAULT_HTTPS_PORT)
+        return DEFAULT_HTTPS_PORT
+    port: int = s["http_port"]
+    return port
 
 
 def api_key(config: ServerConfig, environ: dict[str, str] | None = None) -> str | None:
@@ -394,16 +400,16 @@ def serve_model(
     process (``shared_port``: its HTTP port is shared with the other fronts,
     ``admission_slots`` the server-wide admission count and ``ready_fronts`` the count of
     fronts ready)."""
-    sync_kserve_args(config.server)
-    state = ServerState(ready_fronts)
-    server = _model_server(config, state)
+    set_predictor_config(predictor_config(config))
+    configure_kserve_logging(config)
     quiet_access_log()  # the gateway logs one line per request
     format_every_handler(config.log_format)
-    server.register_model(model)
-    for adapter in adapter_names(model):
-        server.register_model(model, name=adapter)
-    install_error_handlers(model_server.app)
-    mount_openai(model_server.app, ServedModels(server.registered_models), route_prefix())
+    state = ServerState(ready_fronts)
+    registry = ModelRepository()
+    for name in [model.name, *adapter_names(model)]:
+        registry.update(model, name)
+        logger.info("registered model %s", name)
+    dataplane = ModelAwareDataPlane(model_registry=registry, state=state)
     loader = ModelLoader(model, state)
     rules = Rules(
         Admission(config.max_concurrent_requests, admission_slots),
@@ -412,22 +418,35 @@ def serve_model(
         config.enable_model_repository,
         not config.disable_log_requests,
     )
-    install_gateway(model_server.app, config, rules)
-    if config.enable_model_repository:
-        server.model_repository_extension = repository_for(server, model, config, loader)
-    sock = http_socket(server.http_port, shared=shared_port)
-    server.servers.append(loader.load())
-    start_servers(server, sock, rules)
+    repository = (
+        repository_for(registry, model, config, loader)
+        if config.enable_model_repository
+        else ModelRepositoryExtension(model_registry=registry)
+    )
+    app = build_app(
+        dataplane,
+        repository,
+        route_prefix(),
+        enable_repository=config.enable_model_repository,
+        enable_docs_url=config.server["enable_docs_url"],
+    )
+    install_gateway(app, config, rules)
+    options = ServingOptions.from_flags(
+        config.server, grace_period=max(1, math.ceil(config.shutdown_grace_seconds))
+    )
+    install_access_log(app, options.access_log_format)
+    sock = http_socket(http_port(config), shared=shared_port)
+    run_servers(Listeners(app, sock, options, dataplane, repository, rules), loader.load())
     if loader.failures:
         raise loader.failures[0]
 
 
 def repository_for(
-    server: ModelServer, model: BackendModel, config: ServerConfig, loader: ModelLoader
+    registry: ModelRepository, model: BackendModel, config: ServerConfig, loader: ModelLoader
 ) -> SingleModelRepository:
     """Load and unload of the served model (``--enable_model_repository``)."""
     return SingleModelRepository(
-        server.registered_models,
+        registry,
         model.name,
         build=lambda: build_model(config),
         start=loader.load,

@@ -219,13 +219,9 @@ def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str, rea
     from .startup import importing
 
     with importing(freeze=True):
-        from ._kserve import model_server
         from .engine.client import EngineClient
         from .gateway import ReadyFronts
-        from .metrics import mount
         from .server import build_model, serve_model
-
-    mount(model_server.app)  # every process's metrics, ahead of KServe's route (this one's)
 
     name = f"front-{index}"
     try:

@@ -19,32 +19,22 @@ import httpx
 from fastapi import FastAPI
 from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
-from kserve.protocol.rest.server import RESTServer
 
-from huggingfaceserver._kserve import without_kserve_openai
+from huggingfaceserver import listeners
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.protocols.kserve_model import BackendModel
-from huggingfaceserver.protocols.openai.models import ServedModels
-from huggingfaceserver.protocols.openai.routes import mount_openai
-from huggingfaceserver.server import ModelAwareDataPlane, build_model, install_error_handlers
+from huggingfaceserver.server import ModelAwareDataPlane, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
-    """The same routes and error handlers ``ModelServer`` serves, on a fresh FastAPI app."""
+    """The server's app (:func:`huggingfaceserver.listeners.build_app`), without the gateway,
+    serving ``model``."""
     registry = ModelRepository()
     registry.update(model)
     dataplane = ModelAwareDataPlane(model_registry=registry)
-    rest = RESTServer("unused:app", dataplane, ModelRepositoryExtension(registry), 0)
-    app = FastAPI()
-    install_error_handlers(app)
-    mount_openai(app, ServedModels(registry), openai_prefix)
-    with without_kserve_openai():  # as the server does (see huggingfaceserver.listeners)
-        rest._register_endpoints(app)  # noqa: SLF001 - kserve has no public way to reuse them
-    rest._add_exception_handlers(app)  # noqa: SLF001
-    install_error_handlers(app)  # ours win over kserve's InvalidInput handler
-    return app
+    return listeners.build_app(dataplane, ModelRepositoryExtension(registry), openai_prefix)
 
 
 def load_model(argv: Sequence[str]) -> BackendModel:
