@@ -25,14 +25,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .backends import installed_engine_flag_names
     from .cli import parse_args
     from .errors import StartupError
-    from .logs import configure_logging, flush_logs
+    from .observability.logs import configure_logging, flush_logs
 
     config = parse_args(
         sys.argv[1:] if argv is None else argv, more_engine_flag_names=installed_engine_flag_names
     )
     configure_logging(config.log_format)
     quiet_resource_tracker()  # before any child process or semaphore starts the tracker
-    from .startup import importing
+    from .observability.startup import importing
 
     with importing(freeze=True):
         from .server import serve

@@ -10,6 +10,7 @@ and ``--foo-bar`` spellings are accepted for every flag.
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -17,7 +18,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from .errors import StartupError
-from .protocols.openai.tool_parsers import TOOL_PARSERS
+from .generation.tool_parsers import TOOL_PARSERS
 from .tasks import Task
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
@@ -310,8 +311,19 @@ def _spellings(name: str) -> list[str]:
 
 
 def _kserve_parser() -> argparse.ArgumentParser:
-    from kserve import model_server  # its argv parse was kept from ours (see ._kserve)
-
+    """KServe's own parser, whose flags we take as they are. ``import kserve`` imports
+    ``kserve.model_server``, which parses ``sys.argv`` into module globals when imported (and
+    exits on a value it cannot read): the first import here is given an empty command line, so
+    that parsing stays a pure function of the argv given to :func:`parse_args`. Our entry point
+    (:mod:`.__main__`) parses before anything else imports KServe; a spawned child process, which
+    gets the argv this parser accepted, has KServe parse that argv harmlessly."""
+    saved = sys.argv
+    if "kserve.model_server" not in sys.modules:
+        sys.argv = sys.argv[:1]
+    try:
+        from kserve import model_server
+    finally:
+        sys.argv = saved
     return model_server.parser
 
 

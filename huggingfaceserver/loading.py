@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli import ServerConfig
 from .errors import StartupError
-from .startup import STARTUP, importing, imports_done
+from .observability.startup import STARTUP, importing, imports_done
 from .tasks import Task, infer_task
 
 if TYPE_CHECKING:  # torch and transformers' modeling code: only where the model loads

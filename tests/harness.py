@@ -20,16 +20,17 @@ from fastapi import FastAPI
 from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 
-from huggingfaceserver import listeners
+from huggingfaceserver.assembly import build_model
 from huggingfaceserver.cli import parse_args
+from huggingfaceserver.edge import listeners
+from huggingfaceserver.edge.serving import ModelAwareDataPlane
 from huggingfaceserver.protocols.kserve_model import BackendModel
-from huggingfaceserver.server import ModelAwareDataPlane, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
-    """The server's app (:func:`huggingfaceserver.listeners.build_app`), without the gateway,
+    """The server's app (:func:`huggingfaceserver.edge.listeners.build_app`), without the gateway,
     serving ``model``."""
     registry = ModelRepository()
     registry.update(model)

@@ -224,7 +224,7 @@ def test_metrics_count_each_request_once_summed_over_processes(server, layout):
 
 def test_sigterm_stops_the_server_with_status_0(tiny_models, tmp_path):
     """One process (the two-front layout's SIGTERM, with requests in flight, is
-    tests/test_supervisor.py's)."""
+    tests/topology/test_supervisor.py's)."""
     args = ["--model_dir", str(tiny_models["st_cls"]), "--model_name", "tiny", "--api_workers", "1"]
     with run_server(args, tmp_path) as process:
         process.process.send_signal(signal.SIGTERM)

@@ -10,7 +10,7 @@ from tests.harness import REPO
 SCRIPT = """
 import sys
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.server import build_model
+from huggingfaceserver.assembly import build_model
 for path in sys.argv[1:]:
     build_model(parse_args(["--model_dir", path, "--backend", "huggingface"])).load_backend()
 assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm imported"

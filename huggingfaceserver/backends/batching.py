@@ -29,9 +29,9 @@ from transformers import BatchEncoding
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..errors import ServerError
-from ..loop_calls import LoopCalls, deferred
-from ..metrics import EncoderBatchMetrics
+from ..observability.metrics import EncoderBatchMetrics
 from .encoding import Row
+from .loop_calls import LoopCalls, deferred
 
 if TYPE_CHECKING:
     import torch

@@ -35,9 +35,9 @@ from ..errors import NotReady, ServerError
 from ..generation.logits import prompt_token_logprobs
 from ..generation.params import ChoiceDelta, TokenLogprob
 from ..generation.sequence import SequenceState, advance
-from ..loop_calls import deferred
-from ..metrics import DecodeLoopMetrics, Timeline
+from ..observability.metrics import DecodeLoopMetrics, Timeline
 from .decode_batch import DecodeBatch
+from .loop_calls import deferred
 
 T = TypeVar("T")
 

@@ -30,12 +30,12 @@ from ..generation.params import ChoiceDelta, SamplingParams
 from ..generation.sequence import SequenceState
 from ..generation.text import ChoiceText
 from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
-from ..loop_calls import LoopCalls
 from ..tasks import Task
 from .base import GenerationBackend, release_weights, unloaded
 from .continuous_batching import ContinuousBatcher, Request
 from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
 from .kv_cache import ReservedCache
+from .loop_calls import LoopCalls
 from .tokenizing import UNSET_MAX_LENGTH
 from .transformers import CALIBRATION_SHAPE, calibrate_cpu_threads
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,24 +10,18 @@ from kserve import Model
 from kserve.errors import ModelNotReady
 from kserve.protocol.infer_type import InferRequest, InferResponse
 
-from .. import request_notes
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..cli import ServerConfig
 from ..errors import BadRequest
 from ..generation.params import SamplingParams
 from ..loading import freeze_loaded_heap
-from ..startup import STARTUP
+from ..observability import request_notes
+from ..observability.request_ids import new_request_id
+from ..observability.startup import STARTUP
 from ..tasks import Task
 from .kserve_inputs import texts_from_v1, texts_from_v2
 
 logger = logging.getLogger(__name__)
-
-
-def new_request_id() -> str:
-    """A random UUID4 from Python's generator (seeded from the OS once per process): ids need
-    no secrecy, and ``uuid.uuid4()`` reads ``os.urandom`` every time, a system call that hands
-    the GIL to the busy batching threads and waits to get it back."""
-    return str(uuid.UUID(int=random.getrandbits(128), version=4))
 
 
 @dataclass

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
+from huggingfaceserver.assembly import build_model
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.server import build_model
 from tests.harness import build_app, client_for
 
 NAME = "loading"

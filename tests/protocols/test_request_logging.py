@@ -7,8 +7,8 @@ import logging
 import httpx
 import torch
 
-from huggingfaceserver.admission import Admission
-from huggingfaceserver.gateway import Gateway, GatewayPolicy, ServerState
+from huggingfaceserver.edge.admission import Admission
+from huggingfaceserver.edge.gateway import Gateway, GatewayPolicy, ServerState
 from tests.encoders.test_embedding import reference_embeddings
 from tests.harness import build_app, client_for
 

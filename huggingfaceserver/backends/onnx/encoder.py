@@ -12,7 +12,7 @@ from transformers import BatchEncoding
 from ...cli import EXPORT_MAX_BATCH_SIZE, ServerConfig
 from ...errors import StartupError
 from ...loading import ModelSource
-from ...startup import STARTUP
+from ...observability.startup import STARTUP
 from ..transformers import TransformersEncoder
 from . import OnnxUnavailable
 from .export import GraphSpec

@@ -14,8 +14,9 @@ from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...errors import ServerError, internal_error_message, log_unexpected, request_id_in
+from ...errors import ServerError, internal_error_message, log_unexpected
 from ...generation.params import ChoiceDelta, SamplingParams
+from ...observability.request_ids import request_id_in
 from .bodies import JSONBody, new_id, now, to_json
 from .errors import InvalidParameter, OpenAIErrorResponse
 from .logprobs import chat_logprobs, completion_logprobs

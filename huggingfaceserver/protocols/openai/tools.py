@@ -24,8 +24,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...generation.params import Constraint
+from ...generation.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedCall,
+    ParsedMessage,
+    ToolParser,
+    call_from_object,
+)
 from .errors import InvalidParameter
-from .tool_parsers import TOOL_PARSERS, ParsedCall, ParsedMessage, ToolParser, call_from_object
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from huggingfaceserver.assembly import build_model, locate
 from huggingfaceserver.backends import choose_backend, installed_engine_flag_names
 from huggingfaceserver.cli import KNOWN_VLLM_ENGINE_FLAGS, ServerConfig, parse_args
 from huggingfaceserver.errors import BadRequest, StartupError
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.loading import load_source
-from huggingfaceserver.server import build_model, locate
 from huggingfaceserver.tasks import Task
 from tests.harness import REPO
 
@@ -307,10 +307,10 @@ def test_auto_picks_transformers_for_t5():
     [("llama64", "vllm", "VLLMGenerator"), ("t5", "huggingface", "TransformersGenerator")],
 )
 def test_the_choice_and_its_reason_are_logged(tiny_models, caplog, model, backend, class_name):
-    logger = logging.getLogger("huggingfaceserver.server")
+    logger = logging.getLogger("huggingfaceserver.assembly")
     logger.addHandler(caplog.handler)  # the package logger may not propagate (records: a set)
     try:
-        with caplog.at_level(logging.INFO, logger="huggingfaceserver.server"):
+        with caplog.at_level(logging.INFO, logger="huggingfaceserver.assembly"):
             built = build_model(config_for(tiny_models[model]))  # no weights are loaded
     finally:
         logger.removeHandler(caplog.handler)

@@ -1,0 +1,2 @@
+"""What the server tells about itself: Prometheus metrics, log formats and request lines,
+request ids, and startup timings."""
