@@ -1,9 +1,12 @@
 """Encoder inputs as rows: per instance, one unpadded int64 array per model input.
 
-Texts go straight to the Rust tokenizer (``tokenizers``) when the model's tokenizer is a plain
-fast one, configured once as transformers configures it per call (truncation to the maximum
+Texts go straight to the Rust tokenizer (``tokenizers``) when the model's tokenizer is a fast
+one, configured once as transformers configures it per call (truncation to the maximum
 length, special tokens, the same outputs), which gives the same ids at a fraction of the cost
-of ``tokenizer(...)`` and its padded tensors. Other tokenizers go through transformers.
+of ``tokenizer(...)`` and its padded tensors. Whether the copy encodes as the tokenizer does
+is checked at load on probe texts (:data:`PROBE_TEXTS`: scripts, accents, case, spaces, a text
+over the maximum, pairs) through both public calls: a tokenizer class that encodes otherwise
+(its own preprocessing, say) goes through transformers, as do slow tokenizers.
 Padding happens later, once rows of many requests are merged (:func:`.batching.collate`).
 A text far longer than the maximum is cut first to a window that tokenizes to the same first
 tokens (:mod:`.long_inputs`), so that its cost is bounded. With ``--no_truncation`` nothing is
@@ -21,11 +24,17 @@ from transformers import PreTrainedTokenizerBase
 
 from .long_inputs import Cut, InputTooLong, LongInputs
 
-try:  # the class of transformers 5's plain fast tokenizers
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-except ImportError:  # pragma: no cover - a transformers release without it: no fast path
-    TokenizersBackend = None  # type: ignore[assignment,misc]
-
+PROBE_TEXTS = (
+    "Hello, World! How are you today?",
+    "  spaces   before, between\tand after \n ",
+    "UPPER lower MiXeD Case 12345 3.14",
+    "naïve café, Ångström, façade, Straße",
+    "日本語のテキストと中文文本",
+    "emoji 🤗🚀 and symbols @#$%^&*()[]{}",
+    "don't won't it's e-mail https://example.com/a?b=c",
+    "",
+)
+"""Texts on which the Rust copy must encode as the tokenizer's own call, alone and as pairs."""
 FEW_INPUTS = 4
 """Up to this many inputs are encoded one by one, more in one parallel batch."""
 
@@ -43,11 +52,9 @@ def rust_tokenizer(
 ) -> Tokenizer | None:
     """A private copy of the Rust tokenizer, set up as transformers sets it for
     ``tokenizer(..., truncation=truncate, max_length=max_length)``; None when transformers
-    does more than that for this tokenizer (a slow tokenizer, or one that overrides
-    encoding)."""
-    if TokenizersBackend is None or not getattr(tokenizer, "is_fast", False):
-        return None
-    if type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus:
+    does more than that for this tokenizer (a slow tokenizer, or one whose own call encodes
+    the probe texts otherwise)."""
+    if not getattr(tokenizer, "is_fast", False):
         return None
     rust = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     rust.no_padding()
@@ -57,7 +64,39 @@ def rust_tokenizer(
             max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side
         )
     rust.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-    return rust
+    return rust if encodes_alike(tokenizer, rust, max_length, truncate) else None
+
+
+def encodes_alike(
+    tokenizer: PreTrainedTokenizerBase, rust: Tokenizer, max_length: int, truncate: bool
+) -> bool:
+    """Whether ``rust`` gives the ids, token types and offsets that ``tokenizer``'s own call
+    gives on :data:`PROBE_TEXTS` (and one text over the maximum), with and without special
+    tokens, and on pairs of them."""
+    texts = [*PROBE_TEXTS, "probe " * (max_length + 8)]
+    pairs = list(zip(texts, reversed(texts), strict=True))
+    options = {"truncation": truncate, "max_length": max_length}
+    options |= {"return_token_type_ids": True, "return_offsets_mapping": True}
+    try:
+        cases = [
+            (
+                rust.encode_batch(texts, add_special_tokens=add),
+                tokenizer(texts, add_special_tokens=add, **options),
+            )
+            for add in (True, False)
+        ]
+        first, second = [list(side) for side in zip(*pairs, strict=True)]
+        cases.append((rust.encode_batch(pairs), tokenizer(first, second, **options)))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot answer these goes the slow way
+        return False
+    return all(
+        encoding.ids == list(theirs["input_ids"][index])
+        and encoding.type_ids == list(theirs["token_type_ids"][index])
+        and [tuple(o) for o in encoding.offsets]
+        == [tuple(o) for o in theirs["offset_mapping"][index]]
+        for ours, theirs in cases
+        for index, encoding in enumerate(ours)
+    )
 
 
 class InputEncoder:

@@ -100,3 +100,26 @@ def test_the_real_minilm_tokenizer(minilm_path):
     rows = encoder.texts(TEXTS)
     reference = tokenizer(TEXTS, truncation=True, max_length=512)
     check_rows(rows, reference, ["input_ids", "token_type_ids"])
+
+
+def test_a_tokenizer_that_encodes_otherwise_goes_through_transformers(tiny_models):
+    """A fast tokenizer whose own call changes the text first (here: upper case) is not
+    copied to the Rust path, whose ids would differ: its rows are what its call gives."""
+    plain = AutoTokenizer.from_pretrained(tiny_models["gpt2"])
+
+    class Shouting(type(plain)):  # type: ignore[misc]
+        def __call__(self, text=None, text_pair=None, **kwargs):
+            def upper(value):
+                if isinstance(value, str):
+                    return value.upper()
+                return None if value is None else [upper(v) for v in value]
+
+            return super().__call__(upper(text), upper(text_pair), **kwargs)
+
+    shouting = Shouting.from_pretrained(tiny_models["gpt2"])
+    assert InputEncoder(plain, MAX_LENGTH).rust is not None
+    encoder = InputEncoder(shouting, MAX_LENGTH, offsets=True)
+    assert encoder.rust is None
+    reference = expected(shouting, TEXTS, return_offsets_mapping=True)
+    assert reference["input_ids"] != expected(plain, TEXTS)["input_ids"]
+    check_rows(encoder.texts(TEXTS), reference, ["input_ids", "offset_mapping"])
