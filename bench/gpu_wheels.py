@@ -6,7 +6,9 @@ rest of the server's dependency closure (``pyproject.toml``'s dependencies, kser
 included, plus what the benchmark needs) as manylinux x86_64 wheels into ``.gpu/whl``, at the
 versions installed in this virtual environment where it has them (the versions the tests ran
 with), and copies all-MiniLM-L6-v2's tokenizer files into ``.gpu/minilm-tokenizer`` for the
-GPU benchmark models. ``bench/gpu_run.sh`` installs them there.
+GPU benchmark models. ``bench/gpu_run.sh`` installs them there. The device's transformers is
+older than the server needs (5.17 on 2026-11-27; from 5.18 a fast tokenizer loads without
+torch, which lean fronts need): ours is carried too, without its dependencies.
 
 How the closure is found: from the metadata of the distributions installed here, with the
 markers evaluated for Python 3.12 on Linux; a package is kept when it is reachable from our
@@ -36,18 +38,26 @@ PLATFORMS = (
     "manylinux_2_17_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
     "manylinux1_x86_64",
 )
-DEVICE_PROVIDED = frozenset(
-    {"torch", "transformers", "tokenizers", "safetensors", "huggingface-hub", "numpy"}
-)
+DEVICE_PROVIDED = frozenset({"torch", "tokenizers", "safetensors", "huggingface-hub", "numpy"})
 """Installed on the GPU machine (with their own dependencies): never downloaded."""
+CARRIED_ALONE = frozenset({"transformers"})
+"""On the GPU machine at an older version than the server needs: this venv's is carried, but
+not its dependencies, which the device has (its huggingface_hub, tokenizers and safetensors
+meet transformers 5.24's requirements)."""
 BUILD_TOOLS = frozenset({"setuptools", "pip", "wheel"})
 """Also there (as in every Python), and not to be shadowed by an older copy of ours."""
-LARGE_ON_DEVICE = frozenset({"pandas", "pillow", "uvloop"})
-"""Also in the device's image (see the device notes' package list) and large (23 MB of
+LARGE_ON_DEVICE = frozenset(
+    {"pandas", "pillow", "uvloop", "onnx", "onnxruntime", "ml-dtypes", "flatbuffers"}
+)
+"""Also in the device's image (see the device notes' package list) and large (64 MB of
 wheels with their own dependencies): kserve imports pandas and pillow but the server never
-uses them, and uvicorn takes any uvloop; the device's copies keep the folder under 40 MB."""
+uses them, uvicorn takes any uvloop, and ONNX Runtime (with onnx, ml-dtypes, flatbuffers)
+serves encoders on the CPU only, while the GPU benchmark serves them on torch; the device's
+copies keep the folder under 45 MB, inside the 64 MiB a device call carries."""
 BENCH_REQUIREMENTS = ("aiohttp", "uvloop", "pyzmq", "msgspec")
 """The load generator's, and the multi-process server's (in case pyproject lacks them)."""
 MINILM_TOKENIZER = (
@@ -111,6 +121,9 @@ def closure(roots: Sequence[str]) -> dict[str, str]:
         requirement = pending.pop()
         name = canonicalize_name(requirement.name)
         if name in DEVICE_PROVIDED | BUILD_TOOLS | LARGE_ON_DEVICE:
+            continue
+        if name in CARRIED_ALONE:
+            kept[name] = version(name)
             continue
         extras = extras_seen.setdefault(name, set())
         if name in kept and requirement.extras <= extras:

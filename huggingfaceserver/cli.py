@@ -200,9 +200,10 @@ class ServerConfig:
     enable_model_repository: bool = option(False, "serve the model repository load/unload routes")
     """KServe's model repository routes (REST and gRPC load/unload/index); off, since this
     server serves the one model it loaded at start and an unload would take it down."""
-    max_concurrent_requests: int = option(128, "requests in flight plus queued; beyond it 429")
+    max_concurrent_requests: int = option(512, "requests in flight plus queued; beyond it 429")
     """For the whole server; beyond it an immediate 429 with ``Retry-After``. Bounds memory
-    under any offered load."""
+    under any offered load. 512 as text-embeddings-inference's default: 128 refused half of
+    256 closed-loop clients of a GPU encoder batching 256 (H200, 2026-11-27)."""
     max_request_bytes: int = option(16 * MiB, "largest body; beyond it 413")
     """The 413 comes before the body is parsed."""
     max_inputs_per_request: int = option(1024, "texts or prompts per request")

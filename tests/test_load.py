@@ -62,7 +62,7 @@ class Expected:
 
 @pytest.fixture(scope="module")
 def servers(minilm_path: Path, tiny_models: dict[str, Path], tmp_path_factory):
-    """MiniLM and the tiny llama, default admission (128), started side by side."""
+    """MiniLM and the tiny llama, default admission, started side by side."""
     log_dir = tmp_path_factory.mktemp("load")
     encoder = [
         "--model_dir", str(minilm_path), "--model_name", "minilm", "--task", "text_embedding",
