@@ -9,7 +9,7 @@ from .assembly import build_model, check_choice, locate
 from .cli import ServerConfig
 from .edge.serving import serve_model
 from .errors import StartupError
-from .loading import device
+from .topology.cuda_probe import cuda_available
 from .topology.layout import choose_layout, engine_bytes
 from .topology.pod import read_pod_limits
 from .topology.supervisor import run_processes
@@ -26,8 +26,8 @@ def serve(config: ServerConfig) -> None:
         config.api_workers,
         choice.name,
         remote=bool(config.server.get("predictor_host")) and not source.task.is_generative,
-        # only auto asks (torch tells, and a supervisor of fronts does without it otherwise)
-        cuda=config.api_workers is None and device().type == "cuda",
+        # only auto asks (torch tells, in a child process: the supervisor never imports it)
+        cuda=config.api_workers is None and cuda_available(),
         pod=read_pod_limits(),
         engine=engine_bytes(source.path),
     )

@@ -20,11 +20,12 @@ MAX_AUTO_API_WORKERS = 8
 # The memory each process takes, for what fits in the pod's memory limit. Measured 2026-11-25
 # on CPU (tiny Llama, --backend huggingface, --api_workers 2, after 40 requests;
 # /proc/<pid>/status VmRSS): each front 166 MiB (it imports neither torch nor the model's
-# code), the engine 524 MiB, the supervising parent 149 MiB. The parent imports torch when
-# --api_workers auto asks it whether a CUDA device is there (about 400 MiB then).
+# code), the engine 524 MiB, the supervising parent 149 MiB (it asks whether there is a CUDA
+# device in a child process, .cuda_probe, and never imports torch). On an H200 node
+# (2026-11-27, bert-base-dims classifier, 8 fronts): each front 219 MiB.
 FRONT_BYTES = 256 * MiB
 """One front process."""
-SUPERVISOR_BYTES = 400 * MiB
+SUPERVISOR_BYTES = 256 * MiB
 """The process started by the user, which watches the engine and the fronts."""
 ENGINE_RUNTIME_BYTES = 1024 * MiB
 """The engine besides the model's weights: torch, the tokenizer, the batcher (517 MiB on CPU;
