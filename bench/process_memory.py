@@ -43,7 +43,7 @@ def maps_torch(pid: int) -> bool:
         return False
 
 
-def role(pid: int, root: int) -> str:
+def role(pid: int, root: int, torch_mapped: bool) -> str:
     """supervisor, engine, front or helper (see the module's docstring)."""
     if pid == root:
         return "supervisor"
@@ -53,21 +53,24 @@ def role(pid: int, root: int) -> str:
         command = ""
     if "resource_tracker" in command or "spawn_main" not in command:
         return "helper"
-    return "engine" if maps_torch(pid) else "front"
+    return "engine" if torch_mapped else "front"
 
 
 def measure(root: int) -> list[ProcessMemory]:
     """Every process of the server's family, the supervisor first."""
-    return [
-        ProcessMemory(
-            pid,
-            role(pid, root),
-            server.status_kib(pid, "VmRSS") / 1024,
-            server.status_kib(pid, "VmHWM") / 1024,
-            maps_torch(pid),
+    processes = []
+    for pid in server.family(root):
+        torch_mapped = maps_torch(pid)
+        processes.append(
+            ProcessMemory(
+                pid,
+                role(pid, root, torch_mapped),
+                server.status_kib(pid, "VmRSS") / 1024,
+                server.status_kib(pid, "VmHWM") / 1024,
+                torch_mapped,
+            )
         )
-        for pid in server.family(root)
-    ]
+    return processes
 
 
 def table(processes: Sequence[ProcessMemory]) -> str:

@@ -190,7 +190,7 @@ class ServerConfig:
     )
     """Front processes (HTTP, gRPC, tokenization, rendering) in front of one engine process
     that owns the model; None (``auto``): one per two cores on a CUDA device (at most 8),
-    else one: the whole server in one process, with no IPC (see :mod:`.layout`)."""
+    else one: the whole server in one process, with no IPC (see :mod:`.topology.layout`)."""
     max_log_len: int = option(512, "characters of the inputs logged (0: none)")
     """Characters of a request's inputs its log line shows, then their whole length (the log
     line only, never the data). 512 identifies a request and keeps the line under 1 KiB, one

@@ -1,7 +1,7 @@
 """Exceptions that carry their status, and what a client is told of an unexpected one.
 
 Each protocol renders them in its own shape: HTTP in :mod:`.edge.http_errors` and the OpenAI
-routes, gRPC in :mod:`.edge.grpc_policy` (the status code for each HTTP status).
+routes, gRPC in :mod:`.edge.grpc_errors` (the status code for each HTTP status).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ In order, for a request:
   or not: the cancellation reaches the batcher and the decode loop, which drop its rows) or when
   ``--request_timeout_seconds`` passes (a 504, or an error event that ends a stream);
 - one log line per request (id, method, path, status, milliseconds, and what the handler noted
-  of its inputs: :mod:`.request_notes`) and the request metrics
+  of its inputs: :mod:`..observability.request_notes`) and the request metrics
   (health and ``/metrics`` themselves are logged but not counted).
 
 Refusals are answered in the route's own error shape: OpenAI's on the OpenAI routes, KServe's
