@@ -32,8 +32,9 @@ from pathlib import Path
 
 import aiohttp
 
-from . import routes, server, texts
+from . import long_output_alone, routes, server, texts
 from .load import REQUEST_TIMEOUT_S
+from .long_output_alone import Alone
 from .routes import StreamTrace, TokenCountMismatch
 from .stats import median, percentile
 from .targets import Target
@@ -167,6 +168,8 @@ class LongOutputResult:
 
     settings: Settings
     layouts: list[LayoutRuns]
+    alone: list[Alone] = field(default_factory=list)
+    """The model alone, no server (:mod:`.long_output_alone`): the 8-stream target's yardstick."""
 
     @property
     def runs(self) -> tuple[Run, Run, Run, Run]:
@@ -294,6 +297,16 @@ def measure(model_dir: Path, settings: Settings, log_dir: Path) -> LongOutputRes
     """Both layouts up, each warmed up, then ``settings.long_output_rounds`` rounds of every
     run on each."""
     runs = runs_of(settings)
+    _, _, short_together, together = runs
+    alone = long_output_alone.measure(
+        model_dir, together.streams, short_together.tokens, together.tokens
+    )
+    for way in alone:
+        logger.info(
+            "  %s, %s: %.0f tokens/s at %d, %.0f at %d: %.2fx",
+            KEY, way.engine, way.short_rate, short_together.tokens, way.long_rate,
+            together.tokens, way.share,
+        )  # fmt: skip
     with ExitStack() as stack:
         tried = [
             _bring_up(stack, label, flags, model_dir, settings, log_dir)
@@ -309,7 +322,7 @@ def measure(model_dir: Path, settings: Settings, log_dir: Path) -> LongOutputRes
                     measured = measure_run(run, running, idle)
                     layout.runs.setdefault(run, []).append(measured)
                     _log(layout, measured, round_)
-    return LongOutputResult(settings, [layout for _, layout in tried])
+    return LongOutputResult(settings, [layout for _, layout in tried], alone)
 
 
 def _log(layout: LayoutRuns, measured: Measured, round_: int) -> None:

@@ -6,6 +6,7 @@ import math
 
 from .long_output import (
     EDGE_TOKENS,
+    TOGETHER_RATE_SHARE,
     LongOutputResult,
     Measured,
     Run,
@@ -70,6 +71,51 @@ def _edge_note(result: LongOutputResult) -> list[str]:
     return notes
 
 
+def _alone_section(result: LongOutputResult) -> list[str]:
+    """The model alone against the 8-stream target: what its own decode steps keep."""
+    if not result.alone:
+        return []
+    _, _, short, long = result.runs
+    rows = [
+        [way.engine, num(way.short_rate, 0), num(way.long_rate, 0), f"{way.share:.2f}x"]
+        for way in result.alone
+    ]
+    columns = (
+        f"the model alone, {long.streams} rows",
+        f"tokens/s at {short.tokens}",
+        f"tokens/s at {long.tokens:,}",
+        f"{long.tokens:,} against {short.tokens}",
+    )
+    one_thread = result.alone[0]
+    beyond = [
+        f"- {layout.label}: "
+        + ", ".join(
+            f"{num(1000 * run.streams * (1 / median(layout.rates(run)) - 1 / rate), 2)} ms "
+            f"at {run.tokens:,} tokens"
+            for run, rate in ((short, one_thread.short_rate), (long, one_thread.long_rate))
+        )
+        for layout in result.layouts
+        if layout.runs
+    ]
+    return [
+        f"The model alone, in the benchmark process before the servers start "
+        f"(`bench/long_output_alone.py`): {long.streams} rows, the {long.streams} streams' "
+        "prompts, greedy, to each length. The server keeps at most about what the model's own "
+        "decode steps keep, more only where its own cost per step hides them; the "
+        f"{long.streams}-stream target ({TOGETHER_RATE_SHARE}x) is measured against this.",
+        "",
+        *table(columns, rows),
+        "",
+        f"Each server's wall time per step of {long.streams} rows beyond the model alone's on "
+        f"one thread (what the server adds: sampling, text, streaming, the hops between "
+        f"processes), at both lengths; a figure that stays put means that what grows with the "
+        f"answer is the model's own step:",
+        "",
+        *beyond,
+        "",
+    ]
+
+
 def _layout_notes(result: LongOutputResult) -> list[str]:
     notes = []
     for layout in result.layouts:
@@ -127,6 +173,7 @@ def section(result: LongOutputResult) -> list[str]:
         "",
         *verdicts,
         "",
+        *_alone_section(result),
         _chunk_note(result),
         "",
         *_edge_note(result),
