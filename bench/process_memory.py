@@ -3,20 +3,25 @@ each process of a ready server, by role.
 
 Starts ``python -m huggingfaceserver SERVER ARGS`` on free ports, waits for readiness, sends
 ``N`` single-text V1 ``:predict`` requests on new connections (so that the fronts have served
-something), then reads ``VmRSS`` and ``VmHWM`` of every process in the server's family from
-``/proc``. A process's role comes from what it maps: the server's own process is the
-supervisor (or the only process), a child that maps libtorch is the engine, a child that does
-not is a front (or a helper, such as multiprocessing's resource tracker, told apart by its
-command line). Prints a Markdown table and writes it beside a JSON copy if ``--output`` says.
+something), then reads ``VmRSS``, ``VmHWM`` and ``Pss`` of every process in the server's family
+from ``/proc``, and how long each took from its start to listening (from the server's log). A
+process's role comes from what it maps: the server's own process is the
+supervisor (or the only process), a child that maps libtorch is the engine, multiprocessing's
+fork server is the supervisor's child that the fronts are forked from, and its children are the
+fronts (a spawned child that maps no libtorch is a front too; a helper, such as
+multiprocessing's resource tracker, is told apart by its command line). Prints a Markdown table
+and writes it beside a JSON copy if ``--output`` says.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -24,6 +29,9 @@ import httpx
 from . import server
 
 MODEL_NAME_FLAG = "--model_name"
+LISTENING = "Application startup complete"
+LOG_TIME = "%Y-%m-%d %H:%M:%S.%f"
+"""The server log's timestamps (local time, as logging writes them)."""
 
 
 @dataclass
@@ -32,7 +40,13 @@ class ProcessMemory:
     role: str
     rss_mib: float
     hwm_mib: float
+    pss_mib: float
+    """Its proportional share: the pages it shares with others (a forked front's imports)
+    counted once over the family, as the pod's memory limit counts them."""
     maps_torch: bool
+    listening_s: float | None = None
+    """From the process's start to its HTTP server's startup (uvicorn's "Application startup
+    complete" in the server's log, which a front reaches once it listens); None if it has none."""
 
 
 def maps_torch(pid: int) -> bool:
@@ -43,21 +57,68 @@ def maps_torch(pid: int) -> bool:
         return False
 
 
+def pss_kib(pid: int) -> int:
+    """``Pss`` of ``/proc/PID/smaps_rollup``; 0 once the process is gone."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    for line in rollup.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+def started_at(pid: int) -> float:
+    """When ``pid`` started, in seconds since the epoch (``/proc/PID/stat``'s start time)."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    boot = next(
+        float(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime")
+    )
+    return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def listening_after(pid: int, log: str) -> float | None:
+    """Seconds from ``pid``'s start to its "Application startup complete" log line."""
+    for line in log.splitlines():
+        if f" {pid} " in line and LISTENING in line:
+            logged = datetime.strptime(line[: len("2026-01-01 00:00:00.000")], LOG_TIME)
+            return logged.timestamp() - started_at(pid)
+    return None
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rpartition(")")[2].split()[1])
+
+
 def role(pid: int, root: int, torch_mapped: bool) -> str:
-    """supervisor, engine, front or helper (see the module's docstring)."""
+    """supervisor, engine, fork server, front or helper (see the module's docstring)."""
     if pid == root:
         return "supervisor"
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        command = ""
+    command = _command(pid)
+    if "forkserver" in command:  # the fork server, or a front forked from it
+        return "fork server" if _parent(pid) == root else "front"
     if "resource_tracker" in command or "spawn_main" not in command:
         return "helper"
     return "engine" if torch_mapped else "front"
 
 
-def measure(root: int) -> list[ProcessMemory]:
-    """Every process of the server's family, the supervisor first."""
+def measure(root: int, log: str = "") -> list[ProcessMemory]:
+    """Every process of the server's family, the supervisor first (``log``: the server's, for
+    when each process listened)."""
     processes = []
     for pid in server.family(root):
         torch_mapped = maps_torch(pid)
@@ -67,7 +128,9 @@ def measure(root: int) -> list[ProcessMemory]:
                 role(pid, root, torch_mapped),
                 server.status_kib(pid, "VmRSS") / 1024,
                 server.status_kib(pid, "VmHWM") / 1024,
+                pss_kib(pid) / 1024,
                 torch_mapped,
+                listening_after(pid, log),
             )
         )
     return processes
@@ -76,16 +139,17 @@ def measure(root: int) -> list[ProcessMemory]:
 def table(processes: Sequence[ProcessMemory]) -> str:
     """The processes as a Markdown table, with the family's total."""
     lines = [
-        "| process | pid | VmRSS MiB | VmHWM MiB | libtorch mapped |",
-        "|---|---|---|---|---|",
+        "| process | pid | VmRSS MiB | VmHWM MiB | Pss MiB | libtorch mapped | listening s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in processes:
+        listening = "–" if p.listening_s is None else f"{p.listening_s:.2f}"
         lines.append(
-            f"| {p.role} | {p.pid} | {p.rss_mib:.0f} | {p.hwm_mib:.0f} | "
-            f"{'yes' if p.maps_torch else 'no'} |"
+            f"| {p.role} | {p.pid} | {p.rss_mib:.0f} | {p.hwm_mib:.0f} | {p.pss_mib:.0f} | "
+            f"{'yes' if p.maps_torch else 'no'} | {listening} |"
         )
-    total = sum(p.rss_mib for p in processes)
-    lines.append(f"| all {len(processes)} | – | {total:.0f} | – | – |")
+    rss, pss = sum(p.rss_mib for p in processes), sum(p.pss_mib for p in processes)
+    lines.append(f"| all {len(processes)} | – | {rss:.0f} | – | {pss:.0f} | – | – |")
     return "\n".join(lines)
 
 
@@ -94,13 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=Path, help="write the table here (and .json beside)")
     parser.add_argument("--log", type=Path, default=Path(".cache/bench/logs/process-memory.log"))
+    parser.add_argument(
+        "--source-tree", type=Path, help="run the server from this tree (another commit's)"
+    )
     parser.add_argument("server_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     server_args = [a for a in args.server_args if a != "--"]
     if MODEL_NAME_FLAG not in server_args:
         parser.error(f"the server's arguments must name the model ({MODEL_NAME_FLAG})")
     model = server_args[server_args.index(MODEL_NAME_FLAG) + 1]
-    with server.serving(server_args, args.log) as running:
+    with server.serving(server_args, args.log, args.source_tree) as running:
         for _ in range(args.requests):
             answer = httpx.post(
                 f"{running.url}/v1/models/{model}:predict",
@@ -108,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=60,
             )
             answer.raise_for_status()
-        processes = measure(running.process.pid)
+        processes = measure(running.process.pid, args.log.read_text(errors="replace"))
         text = f"Ready after {running.ready_s:.1f} s.\n\n{table(processes)}\n"
     print(text)
     if args.output is not None:

@@ -35,6 +35,9 @@ FRONT_STOP_MARGIN_S = 10.0
 """How much longer than ``--shutdown_grace_seconds`` fronts get after SIGTERM before SIGKILL."""
 ENGINE_STOP_S = 15.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+FRONT_PRELOAD = [f"{__package__}.front"]
+"""What multiprocessing's fork server imports before it forks the fronts (:mod:`.front`); the
+engine is spawned."""
 
 
 @dataclass(frozen=True)
@@ -72,17 +75,18 @@ def run_processes(config: ServerConfig, fronts: int) -> None:
 
 class ProcessGroup:
     def __init__(self, config: ServerConfig, wiring: Wiring):
-        context = multiprocessing.get_context("spawn")
         self.wiring = wiring
-        self.engine = context.Process(
+        self.engine = multiprocessing.get_context("spawn").Process(
             target=engine_main, args=(config, wiring), name="engine", daemon=False
         )
         # admission is counted once for the server: the fronts share one counter
         slots = FileSlots.create(str(Path(wiring.run_dir) / "admission"))
         # and the server is ready once every front is: they share one count of ready fronts
         ready = SharedCount.create(str(Path(wiring.run_dir) / "ready"))
+        front_context = multiprocessing.get_context("forkserver")
+        front_context.set_forkserver_preload(FRONT_PRELOAD)
         self.fronts = [
-            context.Process(
+            front_context.Process(
                 target=front_main,
                 args=(config, wiring, index, slots, ready),
                 name=f"front-{index}",
@@ -214,31 +218,15 @@ def engine_main(config: ServerConfig, wiring: Wiring) -> None:
 
 
 def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str, ready: str) -> None:
-    """A front process: HTTP and gRPC on the shared ports, the model in the engine."""
+    """A front process (:mod:`.front`), forked from the fork server that preloaded it."""
     _child_setup(config)
     from ..observability.startup import importing
 
-    with importing(freeze=True):
-        from ..assembly import model_around
-        from ..edge.gateway import ReadyFronts
-        from ..edge.serving import serve_model
-        from ..loading import load_source
-        from .engine.backend import engine_backend
-        from .engine.client import EngineClient
+    with importing(freeze=True):  # already imported by the fork server: freezes what it made
+        from .front import serve_front
 
-    name = f"front-{index}"
     try:
-        client = EngineClient(wiring.address, index, wiring.fronts)
-        source = load_source(config, read_config=False)  # the engine reads transformers' config
-        model = model_around(config, source, engine_backend(source, config, client))
-        shared = FileSlots(slots, config.max_concurrent_requests)
-        serve_model(
-            model,
-            config,
-            shared_port=True,
-            admission_slots=shared,
-            ready_fronts=ReadyFronts(ready, wiring.fronts),
-        )
+        serve_front(config, wiring.address, index, wiring.fronts, slots, ready)
     except StartupError as exc:
-        _report(wiring, name, exc)
+        _report(wiring, f"front-{index}", exc)
         raise SystemExit(1) from None

@@ -1,5 +1,6 @@
 """The two-front layout's lifecycle (``--api_workers 2``), as a user starts the server: the
-process started (the supervisor) has one engine process and two front processes as children.
+process started (the supervisor) has one engine process and, through multiprocessing's fork
+server (which imports the front's modules once), two front processes below it.
 Readiness waits for the engine's model and both fronts; the fronts share the port; a client
 that leaves frees its work in the engine; a child that dies stops the whole server (exit 1,
 our last line naming it); SIGTERM lets streams finish, then exit 0; the supervisor's death
@@ -26,6 +27,7 @@ from tests.harness import (
     Proc,
     ServerProcess,
     children,
+    descendants,
     leave_stream_after,
     proc,
     run_server,
@@ -59,7 +61,8 @@ class Group:
     engine: Proc
     fronts: list[Proc]
     children: list[Proc]
-    """Every child of the supervisor: engine, fronts, and multiprocessing's resource tracker."""
+    """Every process below the supervisor: engine, fronts, and multiprocessing's resource
+    tracker and fork server (the fronts' parent)."""
 
     def named(self, name: str) -> Proc:
         """A child by the supervisor's name for it: ``engine``, ``front-0``, ``front-1``."""
@@ -70,11 +73,11 @@ class Group:
 
 
 def group_of(server: ServerProcess) -> Group:
-    """The processes named in the supervisor's log line, checked against its children."""
+    """The processes named in the supervisor's log line, checked against those below it."""
     pids = [int(pid) for pid in server.wait_for_log(PIDS).groups()]
     supervisor = proc(server.process.pid)
     assert supervisor is not None
-    found = {child.pid: child for child in children(supervisor.pid)}
+    found = {child.pid: child for child in descendants(supervisor.pid)}
     assert set(pids) <= set(found), (pids, found)
     engine, *fronts = (found[pid] for pid in pids)
     return Group(supervisor, engine, fronts, list(found.values()))
@@ -199,15 +202,22 @@ def test_ready_once_the_model_is_loaded_and_both_fronts_are_up(served):
     assert served.ready == [(200, {"ready": True})] * 10
 
 
-def test_the_supervisor_has_the_engine_and_two_fronts_as_children(served):
-    """The same children as at their start (none restarted), plus multiprocessing's resource
-    tracker and nothing else."""
+def fork_server(group: Group) -> Proc:
+    [server] = [p for p in children(group.supervisor.pid) if "forkserver" in p.cmdline]
+    return server
+
+
+def test_the_supervisor_has_the_engine_and_the_fronts_fork_server_as_children(served):
+    """The same processes as at their start (none restarted): the engine, multiprocessing's
+    resource tracker and its fork server as the supervisor's children, the two fronts as the
+    fork server's, and nothing else."""
     group = served.group
+    assert set(descendants(group.supervisor.pid)) == set(group.children)
     now = children(group.supervisor.pid)
-    assert set(now) == set(group.children)
     trackers = [p for p in now if "resource_tracker" in p.cmdline]
     assert len(trackers) == 1, [p.cmdline for p in now]
-    assert set(now) == {group.engine, *group.fronts, *trackers}
+    assert set(now) == {group.engine, fork_server(group), *trackers}
+    assert set(children(fork_server(group).pid)) == set(group.fronts)
 
 
 def loads_torch(process: Proc) -> bool:
@@ -216,11 +226,13 @@ def loads_torch(process: Proc) -> bool:
 
 
 def test_only_the_engine_loads_torch(served):
-    """The fronts tokenize, render and detokenize with the tokenizer alone; the supervisor
-    reads config.json as JSON: neither imports torch (nor transformers' model config)."""
+    """The fronts tokenize, render and detokenize with the tokenizer alone (and the fork server
+    they come from imports what they import); the supervisor reads config.json as JSON: none
+    of them imports torch (nor transformers' model config)."""
     group = served.group
     assert loads_torch(group.engine)
-    assert [loads_torch(p) for p in [group.supervisor, *group.fronts]] == [False] * 3
+    lean = [group.supervisor, fork_server(group), *group.fronts]
+    assert [loads_torch(p) for p in lean] == [False] * 4
 
 
 def test_only_the_engine_loads_torch_for_an_encoder(tiny_models, tmp_path):
@@ -375,7 +387,7 @@ def test_a_dead_child_stops_the_whole_server(death):
 def test_the_supervisors_death_leaves_no_child_behind(tiny_models, tmp_path):
     with run_server(classifier_args(tiny_models), tmp_path, stop_timeout=5) as server:
         group = group_of(server)
-        assert len(group.children) == 4  # engine, two fronts, resource tracker
+        assert len(group.children) == 5  # engine, two fronts, resource tracker, fork server
         server.process.kill()
         server.process.wait()
         assert survivors(group.children) == []
