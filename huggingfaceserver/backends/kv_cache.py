@@ -28,6 +28,7 @@ it was.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,9 +57,19 @@ class ReservedLayer(CacheLayerMixin):
 
     def __init__(self, cache: ReservedCache):
         super().__init__()
-        self.cache = cache
+        self.owner = weakref.ref(cache)
+        """Weak: a cache and its layers in a reference cycle would outlive their batch until
+        the cyclic garbage collector's next full pass, their buffers with them (the generation
+        server's memory rose and fell by hundreds of MiB under a steady load)."""
         self.key_buffer = torch.empty(0)
         self.value_buffer = torch.empty(0)
+
+    @property
+    def cache(self) -> ReservedCache:
+        cache = self.owner()
+        if cache is None:
+            raise RuntimeError("a layer of a KV cache that is gone")
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

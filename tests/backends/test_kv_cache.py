@@ -5,6 +5,9 @@ place instead of copying the running rows."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -225,3 +228,28 @@ def test_the_cache_refuses_what_it_did_not_reserve() -> None:
     [layer] = cache.reserved_layers
     with pytest.raises(ValueError, match="do not fit"):
         layer.update(torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
+
+
+def test_a_batch_let_go_frees_its_buffers_at_once(backends) -> None:
+    """No reference cycle keeps a dropped batch's cache (and its buffers) alive until the cyclic
+    garbage collector runs: the decode loop drops a batch for every request that joins another
+    (measured: the generation server's memory rose and fell by hundreds of MiB under a steady
+    load while such caches waited for a full collection)."""
+    backend = backends("llama")
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            batch, joining = reserved(backend), reserved(backend)
+            batch.prefill(prompt(backend, PROMPTS[0]), 2)
+            joining.prefill(prompt(backend, PROMPTS[1]), 1)
+            assert batch.absorb(joining)
+            batch.step([1, 2, 3])
+            taken = batch.split([1])
+            caches = [weakref.ref(b.cache) for b in (batch, joining, taken)]
+            buffers = [weakref.ref(b.cache.reserved_layers[0].key_buffer) for b in (batch, taken)]
+            del batch, joining, taken
+        assert [ref() for ref in caches + buffers] == [None] * 5
+    finally:
+        if collecting:
+            gc.enable()
