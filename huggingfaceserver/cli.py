@@ -234,10 +234,12 @@ class ServerConfig:
     """``--predictor_host``: each call ends by ``--predictor_request_timeout_seconds`` (504
     past it)."""
     request_read_timeout_seconds: float = option(
-        30.0, "408 for a request whose body is not in after this long"
+        30.0, "408 for a request whose headers, or then its body, are not in after this long"
     )
-    """The connection is closed too. A request takes its admission slot only once its body is
-    in, so clients that stall mid-upload hold no slot meanwhile."""
+    """The connection is closed too. The headers are timed from the connection's start (or the
+    request's first byte after the previous response), the body from the end of the headers.
+    A request takes its admission slot only once its body is in, so clients that stall
+    mid-upload hold no slot meanwhile."""
     shutdown_grace_seconds: float = option(25.0, "SIGTERM: time to drain")
     """How long requests in flight (streams included) may take to finish."""
     api_key: str | None = option(None, "bearer token for model routes (or env var)")

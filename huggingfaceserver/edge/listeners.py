@@ -63,6 +63,7 @@ from ..protocols.openai.routes import mount_openai
 from .admission import Admission
 from .gateway import ServerState
 from .grpc_policy import PolicyInterceptor
+from .header_deadline import protocol_with_header_deadline
 from .http_errors import install_error_handlers
 from .repository import REPOSITORY_PATH
 
@@ -138,6 +139,9 @@ class ServingOptions:
     ``ModelServer`` sized the pool of a loop that ``asyncio.run`` then replaced, so the
     flag had no effect there)."""
     timeout_keep_alive: int = 65
+    header_timeout_s: float = 30.0
+    """Each request's headers are due within this long (``--request_read_timeout_seconds``):
+    408 and the connection closed past it (:mod:`.header_deadline`)."""
     event_loop: str = "auto"
     """Given to uvicorn's config, as KServe does; the servers run under ``asyncio.run``, as
     under KServe's ``ModelServer``, so that uvicorn does not pick the loop."""
@@ -148,11 +152,14 @@ class ServingOptions:
     grpc_max_receive_message_length: int | None = None
 
     @classmethod
-    def from_flags(cls, flags: dict[str, Any], grace_period: int) -> ServingOptions:
+    def from_flags(
+        cls, flags: dict[str, Any], grace_period: int, header_timeout_s: float
+    ) -> ServingOptions:
         """From ``ServerConfig.server`` (the KServe flags)."""
         return cls(
             grpc_port=flags["grpc_port"] if flags["enable_grpc"] else None,
             grace_period=grace_period,
+            header_timeout_s=header_timeout_s,
             max_threads=flags["max_threads"],
             max_asyncio_workers=flags["max_asyncio_workers"],
             timeout_keep_alive=flags["timeout_keep_alive"],
@@ -243,10 +250,11 @@ def grpc_server(
 
 
 def http_server(app: FastAPI, options: ServingOptions) -> uvicorn.Server:
-    """uvicorn configured as KServe's REST server configures it."""
+    """uvicorn configured as KServe's REST server configures it, with a deadline for headers."""
     config = uvicorn.Config(
         app,
         host=HTTP_HOST,
+        http=protocol_with_header_deadline(options.header_timeout_s),
         log_config=None,  # logging is configured already
         timeout_graceful_shutdown=options.grace_period,
         timeout_keep_alive=options.timeout_keep_alive,

@@ -264,7 +264,9 @@ def serve_model(
     )
     install_gateway(app, config, rules)
     options = ServingOptions.from_flags(
-        config.server, grace_period=max(1, math.ceil(config.shutdown_grace_seconds))
+        config.server,
+        grace_period=max(1, math.ceil(config.shutdown_grace_seconds)),
+        header_timeout_s=config.request_read_timeout_seconds,
     )
     install_access_log(app, options.access_log_format)
     sock = http_socket(http_port(config), shared=shared_port)

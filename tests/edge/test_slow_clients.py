@@ -5,6 +5,7 @@ their connections closed, and the server's sockets are returned."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import socket
@@ -117,5 +118,80 @@ def test_stalled_uploads_hold_no_slot_and_are_closed_at_the_deadline(server):
     assert waited < READ_TIMEOUT_S + 30, waited  # closed at the deadline, not never
     assert wait_until(lambda: open_sockets(pid) <= before, 30), (open_sockets(pid), before)
     # and the server goes on serving
+    again = httpx.post(f"{server.url}/v1/models/m:predict", json={"instances": ["x"]}, timeout=30)
+    assert again.status_code == 200
+
+
+SILENT = 100
+MID_HEADERS = 100
+SECOND_REQUEST = 20
+
+
+def connect(server: ServerProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
+
+
+def mid_headers(server: ServerProcess) -> socket.socket:
+    """A connection that sends part of a request's headers, then nothing."""
+    sock = connect(server)
+    sock.sendall(b"POST /v1/models/m:predict HTTP/1.1\r\nhost: t\r\ncontent-ty")
+    return sock
+
+
+def second_request_mid_headers(server: ServerProcess) -> socket.socket:
+    """A keep-alive connection whose first request is answered, and whose second request's
+    headers stop half-way."""
+    sock = connect(server)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\n\r\n")
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(65536)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(
+        next(
+            line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        ).split(b":")[1]
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nho")
+    return sock
+
+
+def test_connections_whose_headers_stall_are_closed_at_the_deadline(server):
+    """Connections that send nothing, stop half-way through their headers, or do so on their
+    second request hold nothing either: a whole request is served meanwhile, and each of them
+    gets a 408 in KServe's shape at the deadline, its connection closed."""
+    pid = server.process.pid
+    before = open_sockets(pid)
+    kinds = [
+        (connect, SILENT),
+        (mid_headers, MID_HEADERS),
+        (second_request_mid_headers, SECOND_REQUEST),
+    ]
+    stalled = [open_one(server) for open_one, count in kinds for _ in range(count)]
+    try:
+        assert wait_until(lambda: accepted(pid, stalled) == len(stalled), 60)
+        response = httpx.post(
+            f"{server.url}/v1/models/m:predict", json={"instances": ["a whole request"]}, timeout=30
+        )
+        assert response.status_code == 200, response.text
+        assert answered(stalled) == []
+        started = time.monotonic()
+        answers = [read_to_end(sock) for sock in stalled]
+        waited = time.monotonic() - started
+    finally:
+        for sock in stalled:
+            sock.close()
+    heads = {answer.partition(b"\r\n\r\n")[0].split(b"\r\n", 1)[0] for answer in answers}
+    assert heads == {b"HTTP/1.1 408 Request Timeout"}, heads
+    errors = {json.loads(answer.partition(b"\r\n\r\n")[2])["error"] for answer in answers}
+    assert errors == {
+        f"the request's headers did not arrive within {READ_TIMEOUT_S} s "
+        "(--request_read_timeout_seconds)"
+    }
+    assert waited < READ_TIMEOUT_S + 30, waited
+    assert wait_until(lambda: open_sockets(pid) <= before, 30), (open_sockets(pid), before)
     again = httpx.post(f"{server.url}/v1/models/m:predict", json={"instances": ["x"]}, timeout=30)
     assert again.status_code == 200
