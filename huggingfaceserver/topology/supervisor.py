@@ -1,10 +1,12 @@
 """With ``--api_workers N`` (N > 1): the parent of one engine process and N front processes.
 
 The engine loads the model and batches for every front; each front serves HTTP and gRPC on the
-shared ports. This process only watches them: when one exits unasked, the others are stopped
-and the server exits non-zero (Kubernetes restarts it) rather than serve half. On SIGTERM (or
-SIGINT, SIGQUIT) the fronts stop accepting and drain their requests first, then the engine
-stops. Each child exits by itself if this process dies, so none is ever orphaned.
+shared ports. The engine is spawned; the fronts are forked from multiprocessing's fork server,
+which imports their modules once (:data:`FRONT_PRELOAD`), so they are its children and this
+process's grandchildren. This process only watches them: when one exits unasked, the others
+are stopped and the server exits non-zero (Kubernetes restarts it) rather than serve half. On
+SIGTERM (or SIGINT, SIGQUIT) the fronts stop accepting and drain their requests first, then
+the engine stops. Each child exits by itself if this process dies, so none is ever orphaned.
 """
 
 from __future__ import annotations
