@@ -7,6 +7,7 @@ import logging
 
 from .assembly import build_model, check_choice, locate
 from .cli import ServerConfig
+from .edge.open_files import raise_open_files_limit
 from .edge.serving import serve_model
 from .errors import StartupError
 from .topology.cuda_probe import cuda_available
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 def serve(config: ServerConfig) -> None:
     """Serve until stopped, in one process or as an engine behind front processes.
     Startup problems raise :class:`StartupError`."""
+    raise_open_files_limit()  # before any child process: they inherit it
     source, choice = locate(config, read_config=False)
     check_choice(config, choice)
     layout = choose_layout(
