@@ -32,6 +32,7 @@ MODEL_NAME_FLAG = "--model_name"
 LISTENING = "Application startup complete"
 LOG_TIME = "%Y-%m-%d %H:%M:%S.%f"
 """The server log's timestamps (local time, as logging writes them)."""
+LOG_TIME_WIDTH = len("2026-01-01 00:00:00.000")
 
 
 @dataclass
@@ -57,34 +58,24 @@ def maps_torch(pid: int) -> bool:
         return False
 
 
-def pss_kib(pid: int) -> int:
-    """``Pss`` of ``/proc/PID/smaps_rollup``; 0 once the process is gone."""
-    try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0
-    for line in rollup.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return 0
-
-
 def started_at(pid: int) -> float:
     """When ``pid`` started, in seconds since the epoch (``/proc/PID/stat``'s start time)."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    fields = server.stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(pid)
     boot = next(
         float(line.split()[1])
         for line in Path("/proc/stat").read_text().splitlines()
         if line.startswith("btime")
     )
-    return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def listening_after(pid: int, log: str) -> float | None:
     """Seconds from ``pid``'s start to its "Application startup complete" log line."""
     for line in log.splitlines():
         if f" {pid} " in line and LISTENING in line:
-            logged = datetime.strptime(line[: len("2026-01-01 00:00:00.000")], LOG_TIME)
+            logged = datetime.strptime(line[:LOG_TIME_WIDTH], LOG_TIME)
             return logged.timestamp() - started_at(pid)
     return None
 
@@ -97,11 +88,8 @@ def _command(pid: int) -> str:
 
 
 def _parent(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat.rpartition(")")[2].split()[1])
+    fields = server.stat_fields(pid)
+    return 0 if fields is None else int(fields[1])
 
 
 def role(pid: int, root: int, torch_mapped: bool) -> str:
@@ -128,7 +116,7 @@ def measure(root: int, log: str = "") -> list[ProcessMemory]:
                 role(pid, root, torch_mapped),
                 server.status_kib(pid, "VmRSS") / 1024,
                 server.status_kib(pid, "VmHWM") / 1024,
-                pss_kib(pid) / 1024,
+                server.pss_kib(pid) / 1024,
                 torch_mapped,
                 listening_after(pid, log),
             )

@@ -157,17 +157,38 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def status_kib(pid: int, field: str) -> int:
-    """A memory figure of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``); 0 once the process is
-    gone (or a zombie, which has none)."""
+def _kib(path: Path, field: str) -> int:
+    """The ``FIELD: N kB`` figure of a ``/proc`` file; 0 once the process is gone (or a zombie,
+    which has none)."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        text = path.read_text()
     except OSError:
         return 0
-    for line in status.splitlines():
+    for line in text.splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
+
+
+def status_kib(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``)."""
+    return _kib(Path(f"/proc/{pid}/status"), field)
+
+
+def pss_kib(pid: int) -> int:
+    """``Pss`` of ``/proc/PID/smaps_rollup``: the pages it shares with other processes counted
+    once over them."""
+    return _kib(Path(f"/proc/{pid}/smaps_rollup"), "Pss")
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (the state is ``[0]``, the parent
+    ``[1]``); None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
 
 
 def family(pid: int) -> list[int]:
@@ -201,12 +222,8 @@ def family_rss_mb(pid: int) -> float:
 
 
 def _cpu_ticks(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
-    return int(fields[11]) + int(fields[12])  # utime, stime
+    fields = stat_fields(pid)
+    return 0 if fields is None else int(fields[11]) + int(fields[12])  # utime, stime
 
 
 def cpu_seconds(pid: int) -> float:
