@@ -213,6 +213,16 @@ class ServerConfig:
         False, "encoders: refuse over-long inputs (400) instead of truncating"
     )
     """The 400 names both lengths."""
+    default_prompt_name: str | None = option(
+        None, "embeddings: the model's prompt for requests that name none"
+    )
+    """One of the model's sentence-transformers prompts (text-embeddings-inference's flag);
+    None: the model's own ``default_prompt_name``."""
+    default_prompt: str | None = option(
+        None, "embeddings: a prompt text for requests that name none"
+    )
+    """Put before every text of a request that gives no prompt (text-embeddings-inference's
+    flag); exclusive with ``default_prompt_name``."""
     trust_request_chat_template: bool = option(False, "accept chat_template in chat requests")
     """vLLM's flag; refused (400) otherwise. Request templates render in a sandbox, off the
     event loop, with time and output limits."""
@@ -446,4 +456,6 @@ def parse_args(
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if own["api_key"] is not None and not own["api_key"].strip():
         parser.error("--api_key must not be empty")
+    if own["default_prompt"] is not None and own["default_prompt_name"] is not None:
+        parser.error("give --default_prompt or --default_prompt_name, not both")
     return ServerConfig(**own, server=values, engine_flags=flags)

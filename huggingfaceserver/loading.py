@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .cli import ServerConfig
 from .errors import StartupError
 from .observability.startup import STARTUP, importing, imports_done
+from .sentence.config import SentenceConfig, read_sentence_config
 from .tasks import Task, infer_task
 
 if TYPE_CHECKING:  # torch and transformers' modeling code: only where the model loads
@@ -57,7 +58,8 @@ class ModelSource:
     path: Path
     tokenizer_path: Path
     task: Task
-    sentence_transformers_modules: list[dict[str, Any]] | None
+    sentence: SentenceConfig | None
+    """How sentence-transformers reads the folder (None: a folder it did not save)."""
     architectures: list[str]
     """``config.json``'s architectures, as transformers' config has them."""
     trust_remote_code: bool = False
@@ -134,28 +136,22 @@ def locate_model(config: ServerConfig) -> tuple[Path, Path]:
     return path, tokenizer_path
 
 
-def read_sentence_transformers_modules(path: Path) -> list[dict[str, Any]] | None:
-    modules_file = path / "modules.json"
-    if not modules_file.is_file():
-        return None
+def read_config_json(path: Path) -> dict[str, Any]:
+    """``config.json`` as JSON (transformers' config imports torch)."""
     try:
-        modules = json.loads(modules_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StartupError(f"cannot read {modules_file}: {exc}") from None
-    if not isinstance(modules, list):
-        raise StartupError(f"{modules_file} is not a list of modules")
-    return modules
-
-
-def read_architectures(path: Path) -> list[str]:
-    """The architectures ``config.json`` declares (what settles the task), read as JSON."""
-    config_file = path / "config.json"
-    try:
-        data = json.loads(config_file.read_text())
+        data = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StartupError(f"cannot read the model config in {path}: {exc}") from None
     if not isinstance(data, dict):
         raise StartupError(f"cannot read the model config in {path}: not a JSON object")
+    return data
+
+
+def read_architectures(path: Path, data: dict[str, Any] | None = None) -> list[str]:
+    """The architectures ``config.json`` declares (what settles the task)."""
+    config_file = path / "config.json"
+    if data is None:
+        data = read_config_json(path)
     architectures = data.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise StartupError(f"{config_file}: architectures is not a list of names")
@@ -168,9 +164,12 @@ def load_source(config: ServerConfig, read_config: bool = True) -> ModelSource:
     first asked (the processes that do not load the model never do)."""
     imports_done()
     path, tokenizer_path = locate_model(config)
-    architectures = read_architectures(path)
-    modules = read_sentence_transformers_modules(path)
-    task = config.task or infer_task(architectures, modules is not None)
+    data = read_config_json(path)
+    architectures = read_architectures(path, data)
+    sentence = read_sentence_config(path, data)
+    task = config.task or infer_task(
+        architectures, sentence.model_type if sentence is not None else None
+    )
     logger.info(
         "model %s: architectures %s, task %s%s",
         path,
@@ -179,7 +178,7 @@ def load_source(config: ServerConfig, read_config: bool = True) -> ModelSource:
         "" if config.task is None else " (from --task)",
     )
     source = ModelSource(
-        path, tokenizer_path, task, modules, architectures, config.trust_remote_code
+        path, tokenizer_path, task, sentence, architectures, config.trust_remote_code
     )
     if read_config:
         source.read_config()

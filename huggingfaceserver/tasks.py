@@ -17,6 +17,7 @@ class Task(str, Enum):
     token_classification = "token_classification"
     sequence_classification = "sequence_classification"
     text_embedding = "text_embedding"
+    sparse_embedding = "sparse_embedding"
 
     @property
     def is_generative(self) -> bool:
@@ -59,14 +60,23 @@ def task_for_architecture(architecture: str) -> Task | None:
     return None
 
 
-def infer_task(architectures: Sequence[str] | None, sentence_transformers: bool) -> Task:
+SENTENCE_MODEL_TASKS = {
+    "SentenceTransformer": Task.text_embedding,
+    "SparseEncoder": Task.sparse_embedding,
+    "CrossEncoder": Task.sequence_classification,
+}
+"""sentence-transformers' model types (``SentenceConfig.model_type``) -> task."""
+
+
+def infer_task(architectures: Sequence[str] | None, sentence_model_type: str | None) -> Task:
     """The task of a model from its ``config.json`` architectures.
 
-    A sentence-transformers folder is an embedding model whatever its architecture says.
-    Every architecture entry is tried, in order; the first that names a task wins.
+    A folder saved by sentence-transformers is what its model type says (an embedding, sparse
+    embedding or cross-encoder model) whatever its architecture says. Otherwise every
+    architecture entry is tried, in order; the first that names a task wins.
     """
-    if sentence_transformers:
-        return Task.text_embedding
+    if sentence_model_type is not None:
+        return SENTENCE_MODEL_TASKS[sentence_model_type]
     for architecture in architectures or ():
         task = task_for_architecture(architecture)
         if task is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,32 @@ from tests.tiny_models import build_all
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random models with locally trained tokenizers, by name (see tiny_models.py)."""
     return build_all(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def sentence_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Tiny models saved by sentence-transformers 6.2 and in its older layouts, by (name,
+    layout) (see sentence_models.py)."""
+    from tests.sentence_models import build_sentence_models
+
+    return build_sentence_models(tmp_path_factory.mktemp("sentence_models"))
+
+
+@pytest.fixture(scope="session")
+def reference() -> Callable[..., Any]:
+    """``reference(cls, path)``: the folder loaded by sentence-transformers' ``cls``
+    (``SentenceTransformer``, ``SparseEncoder``, ``CrossEncoder``), once per session: the
+    oracle the server's answers are held to."""
+    cache: dict[tuple[str, Path], Any] = {}
+
+    def get(cls: str, path: Path) -> Any:
+        if (cls, path) not in cache:
+            import sentence_transformers
+
+            cache[cls, path] = getattr(sentence_transformers, cls)(str(path), device="cpu")
+        return cache[cls, path]
+
+    return get
 
 
 @pytest.fixture(scope="session")

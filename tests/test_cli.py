@@ -86,6 +86,8 @@ OWN_FLAGS = {
     "max_request_bytes": ("1024", 1024),
     "max_inputs_per_request": ("8", 8),
     "no_truncation": (None, True),
+    "default_prompt_name": ("query", "query"),
+    "default_prompt": ("query: ", "query: "),
     "trust_request_chat_template": (None, True),
     "enable_auto_tool_choice": (None, True),
     "tool_call_parser": ("hermes", "hermes"),

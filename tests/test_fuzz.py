@@ -57,6 +57,12 @@ OPERATIONS = OPENAI_BODIES | {
     "POST /v2/models/{model_name}/infer",
 }  # fmt: skip
 """Every route the server serves."""
+TEI_BODIES = {
+    f"POST /{route}"
+    for route in ("embed", "embed_sparse", "embed_all", "predict", "rerank", "tokenize", "decode")
+} | {"POST /"}
+TEI_OPERATIONS = TEI_BODIES | {"GET /info", "GET /health"}
+"""text-embeddings-inference's routes: an encoder server's only."""
 REPOSITORY_OPERATIONS = {
     f"POST {REPOSITORY}models/{{model_name}}/{verb}" for verb in ("load", "unload")
 }
@@ -95,16 +101,17 @@ def servers(tiny_models: dict[str, Path], tmp_path_factory) -> Iterator[dict[str
         yield started
 
 
-def published_schema(server: ServerProcess, repository: bool) -> BaseSchema:
-    """The server's /openapi.json, checked to list every route and the OpenAI bodies, with the
-    V1 body added, loaded for schemathesis."""
+def published_schema(server: ServerProcess, repository: bool, encoder: bool) -> BaseSchema:
+    """The server's /openapi.json, checked to list every route and the OpenAI (and TEI) bodies,
+    with the V1 body added, loaded for schemathesis."""
     response = httpx.get(f"{server.url}/openapi.json", headers=AUTH, timeout=30)
     assert response.status_code == 200, response.text
     document = response.json()
     paths = document["paths"]
     published = {f"{method.upper()} {path}" for path, ops in paths.items() for method in ops}
-    assert published == OPERATIONS | (REPOSITORY_OPERATIONS if repository else set())
-    for label in OPENAI_BODIES:
+    expected = OPERATIONS | (REPOSITORY_OPERATIONS if repository else set())
+    assert published == expected | (TEI_OPERATIONS if encoder else set())
+    for label in OPENAI_BODIES | (TEI_BODIES if encoder else set()):
         method, path = label.lower().split(" ")
         assert "requestBody" in paths[path][method], label
     paths["/v1/models/{model_name}:predict"]["post"]["requestBody"] = V1_BODY
@@ -162,7 +169,7 @@ def repository_last(operation: APIOperation) -> tuple[bool, bool]:
 @pytest.mark.parametrize("name", list(SERVERS))
 def test_no_generated_request_gets_a_5xx(servers, name):
     server, repository = servers[name], "--enable_model_repository" in SERVERS[name][1]
-    schema = published_schema(server, repository)
+    schema = published_schema(server, repository, encoder=name == "encoder")
     operations = sorted((r.ok() for r in schema.get_all_operations()), key=repository_last)
     failures: list[str] = []
     start = time.monotonic()

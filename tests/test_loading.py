@@ -184,7 +184,7 @@ def test_revision_absent_from_the_cache_is_named(hub_cache, flag):
 def test_task_comes_from_the_config(tiny_models, name, task):
     source = load_source(parse_args(["--model_dir", str(tiny_models[name])]))
     assert source.task is task
-    assert source.sentence_transformers_modules is None
+    assert source.sentence is None
 
 
 def test_task_flag_overrides_the_config(tiny_models):
@@ -195,8 +195,9 @@ def test_task_flag_overrides_the_config(tiny_models):
 def test_minilm_is_a_sentence_transformers_embedding_model(minilm_path):
     source = load_source(parse_args(["--model_dir", str(minilm_path)]))
     assert source.task is Task.text_embedding
-    assert source.sentence_transformers_modules
-    assert source.sentence_transformers_modules[0]["type"].endswith("Transformer")
+    assert source.sentence is not None
+    assert source.sentence.model_type == "SentenceTransformer"
+    assert source.sentence.max_seq_length == 256  # its tokenizer says 512
 
 
 def test_sentence_transformers_files_win_over_the_architecture(tmp_path, tiny_models):

@@ -9,7 +9,7 @@ from huggingfaceserver.tasks import Task, infer_task
 
 ALL_TASKS_IN_ORDER = (
     "text_generation, text2text_generation, fill_mask, token_classification, "
-    "sequence_classification, text_embedding"
+    "sequence_classification, text_embedding, sparse_embedding"
 )
 
 
@@ -29,34 +29,44 @@ ALL_TASKS_IN_ORDER = (
     ],
 )
 def test_architecture_maps_to_its_task(architecture, task):
-    assert infer_task([architecture], sentence_transformers=False) is task
+    assert infer_task([architecture], sentence_model_type=None) is task
 
 
 def test_marian_translation_models_are_text2text():
-    assert infer_task(["MarianMTModel"], sentence_transformers=False) is Task.text2text_generation
+    assert infer_task(["MarianMTModel"], sentence_model_type=None) is Task.text2text_generation
 
 
 def test_every_architecture_entry_is_tried():
     architectures = ["SomethingUnknown", "BertForMaskedLM"]
-    assert infer_task(architectures, sentence_transformers=False) is Task.fill_mask
+    assert infer_task(architectures, sentence_model_type=None) is Task.fill_mask
 
 
 def test_the_first_architecture_that_names_a_task_wins():
     architectures = ["BertForSequenceClassification", "BertForMaskedLM"]
-    assert infer_task(architectures, sentence_transformers=False) is Task.sequence_classification
+    assert infer_task(architectures, sentence_model_type=None) is Task.sequence_classification
 
 
 @pytest.mark.parametrize(
     "architectures", [["BertForMaskedLM"], ["LlamaForCausalLM"], ["SomethingUnknown"], None]
 )
-def test_sentence_transformers_folders_are_embedding_models(architectures):
-    assert infer_task(architectures, sentence_transformers=True) is Task.text_embedding
+@pytest.mark.parametrize(
+    ("model_type", "task"),
+    [
+        ("SentenceTransformer", Task.text_embedding),
+        ("SparseEncoder", Task.sparse_embedding),
+        ("CrossEncoder", Task.sequence_classification),
+    ],
+)
+def test_sentence_transformers_folders_are_what_their_model_type_says(
+    architectures, model_type, task
+):
+    assert infer_task(architectures, sentence_model_type=model_type) is task
 
 
 @pytest.mark.parametrize("architectures", [["SomethingUnknown", "AlsoUnknown"], [], None])
 def test_unknown_architectures_list_every_task(architectures):
     with pytest.raises(StartupError) as error:
-        infer_task(architectures, sentence_transformers=False)
+        infer_task(architectures, sentence_model_type=None)
     message = str(error.value)
     assert message.endswith(f"pass --task, one of: {ALL_TASKS_IN_ORDER}")
     for architecture in architectures or []:

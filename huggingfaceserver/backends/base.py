@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from ..encoders import EncoderTask
+from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Instance, Output
 from ..errors import NotReady
 from ..generation.params import ChoiceDelta, SamplingParams
+from ..sentence.prompts import Prompts
+from .long_inputs import InputTooLong
 
 EncoderInputs = Sequence[str] | Sequence[Sequence[int]]
 """Texts, or already tokenized inputs (token id lists, used as they are)."""
+
+
+async def renamed(
+    call: Awaitable[tuple[list[Any], list[int]]], where: list[int]
+) -> tuple[list[Any], list[int]]:
+    """``call``'s results; an input it refuses as too long named by its index in the whole
+    request (``where``: the request index of each input of the call)."""
+    try:
+        return await call
+    except InputTooLong as exc:
+        raise exc.named(f"instance {where[exc.index]}") from None
 
 
 def unloaded(model_name: str) -> NotReady:
@@ -31,6 +46,24 @@ def release_weights(backend: EncoderBackend | GenerationBackend) -> None:
         delattr(backend, "model")
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a backend tells clients of the model it serves (TEI's ``/info``)."""
+
+    model: str
+    """The model's Hub id or folder."""
+    dtype: str
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_size: int
+    max_concurrent_requests: int
+    truncates: bool
+    """Whether inputs over the maximum are truncated by default (``--no_truncation``: no)."""
+    pooling: str | None = None
+    """An embedding model's pooling (TEI's names: ``cls``, ``mean``, ``last_token``,
+    ``splade``...; ``+`` between the modes of one that concatenates several)."""
+
+
 class EncoderBackend(ABC):
     """Runs an encoder task; the protocol layers cannot tell backends apart.
 
@@ -40,8 +73,13 @@ class EncoderBackend(ABC):
 
     name: str
     task: EncoderTask
+    tokenizer: PreTrainedTokenizerBase
     warms_up = True
     """Whether one inference before readiness is worth it (not for a remote predictor)."""
+    prompts: Prompts = Prompts()
+    """The model's sentence-transformers prompts and the default one (set by ``load``)."""
+    similarity: str = "cosine"
+    """How the model's embeddings are compared (its ``similarity_fn_name``)."""
 
     async def connect(self) -> None:
         """On the event loop, before ``load``: backends served by another process connect."""
@@ -55,18 +93,75 @@ class EncoderBackend(ABC):
         than configured (the CPU threads a forward pass gets)."""
 
     @abstractmethod
-    async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
-        """One result per input, in order (the V1 predictions of ``task``), and the number of
-        tokens each input took."""
+    def info(self) -> ModelInfo:
+        """What clients are told of the model (once loaded)."""
 
     @abstractmethod
-    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
-        """Cross-encoder relevance of each document to the query, in [0, 1], and the tokens
-        used. Only for single-logit sequence classifiers."""
+    async def infer_counted(
+        self,
+        inputs: EncoderInputs,
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        """One result per input, in order (``output`` of ``task``: by default its V1
+        predictions), and the number of tokens each input took (a prompt's included)."""
 
-    async def infer(self, inputs: EncoderInputs) -> list[Any]:
-        results, _ = await self.infer_counted(inputs)
+    @abstractmethod
+    async def infer_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        """:meth:`infer_counted` for text pairs: sequence classifiers (cross-encoders) only."""
+
+    @abstractmethod
+    async def score_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: EncodeParams = DEFAULT_PARAMS,
+        raw: bool = False,
+    ) -> tuple[list[float], int]:
+        """Cross-encoder relevance of each document to the query (its activation applied;
+        ``raw``: its logit), and the tokens used. Only for single-logit sequence classifiers."""
+
+    async def infer(
+        self,
+        inputs: EncoderInputs,
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> list[Any]:
+        results, _ = await self.infer_counted(inputs, params, output)
         return results
+
+    async def infer_instances(
+        self,
+        items: Sequence[Instance],
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        """Texts and text pairs together (a sequence classifier reads both): each answered
+        as :meth:`infer_counted` or :meth:`infer_pairs` answers it, in order; a refusal names
+        the instance by its index in ``items``."""
+        pairs = [i for i, item in enumerate(items) if isinstance(item, tuple)]
+        if not pairs:
+            return await self.infer_counted(items, params, output)  # type: ignore[arg-type]
+        if len(pairs) == len(items):
+            return await self.infer_pairs(items, params, output)  # type: ignore[arg-type]
+        singles = [i for i, item in enumerate(items) if not isinstance(item, tuple)]
+        texts = [item for item in items if isinstance(item, str)]
+        text_pairs = [item for item in items if isinstance(item, tuple)]
+        parts = await asyncio.gather(
+            renamed(self.infer_counted(texts, params, output), singles),
+            renamed(self.infer_pairs(text_pairs, params, output), pairs),
+        )
+        results: list[Any] = [None] * len(items)
+        counts = [0] * len(items)
+        for where, (part, part_counts) in zip((singles, pairs), parts, strict=True):
+            for i, result, count in zip(where, part, part_counts, strict=True):
+                results[i], counts[i] = result, count
+        return results, counts
 
     async def watch(self) -> None:
         """Return when the backend can no longer serve; never, for in-process backends."""

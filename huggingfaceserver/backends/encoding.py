@@ -11,17 +11,27 @@ Padding happens later, once rows of many requests are merged (:func:`.batching.c
 A text far longer than the maximum is cut first to a window that tokenizes to the same first
 tokens (:mod:`.long_inputs`), so that its cost is bounded. With ``--no_truncation`` nothing is
 truncated: an input over the maximum is refused (:class:`InputTooLong`).
+
+A request may ask for other truncation than the server's (:class:`Truncation`: off, from the
+left, to fewer tokens). Texts are then encoded by a copy without truncation, cut with
+``Encoding.truncate`` and given their special tokens by ``post_process``: the steps the Rust
+tokenizer itself takes when truncation is set (checked at load on the probe texts, as above).
+Pairs truncated from the left get a copy of their own, made on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import BadRequest
 from .long_inputs import Cut, InputTooLong, LongInputs
 
 PROBE_TEXTS = (
@@ -41,30 +51,83 @@ FEW_INPUTS = 4
 INPUT_NAME = "input {}"
 PAIR_NAME = "pair {0} (the query and document {0})"
 """How a refusal names an input or a pair, by its index."""
+QUERY_NAME = "the query"
+REQUEST_HINT = "shorten it or send truncate: true"
+"""What a refusal suggests when the request itself asked not to truncate."""
 
 Row = dict[str, np.ndarray]
 """One instance's model inputs (``input_ids``, ``token_type_ids``, ``offset_mapping``...),
 unpadded; the attention mask is made when rows are merged."""
 
 
-def rust_tokenizer(
-    tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool = True
-) -> Tokenizer | None:
+@dataclass(frozen=True)
+class Truncation:
+    """How inputs over ``limit`` tokens are treated: cut on ``side`` (``right`` keeps the
+    start), or refused (``enabled`` False)."""
+
+    enabled: bool
+    side: str
+    limit: int
+
+
+def rust_copy(
+    tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool, side: str
+) -> Tokenizer:
     """A private copy of the Rust tokenizer, set up as transformers sets it for
-    ``tokenizer(..., truncation=truncate, max_length=max_length)``; None when transformers
-    does more than that for this tokenizer (a slow tokenizer, or one whose own call encodes
-    the probe texts otherwise)."""
-    if not getattr(tokenizer, "is_fast", False):
-        return None
+    ``tokenizer(..., truncation=truncate, max_length=max_length)`` with ``side`` as its
+    truncation side."""
     rust = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     rust.no_padding()
     rust.no_truncation()
     if truncate:
-        rust.enable_truncation(
-            max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side
-        )
+        rust.enable_truncation(max_length, stride=0, strategy="longest_first", direction=side)
     rust.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    return rust
+
+
+def rust_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool = True
+) -> Tokenizer | None:
+    """:func:`rust_copy` on the tokenizer's own side; None when transformers does more than
+    that for this tokenizer (a slow tokenizer, or one whose own call encodes the probe texts
+    otherwise)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    rust = rust_copy(tokenizer, max_length, truncate, tokenizer.truncation_side)
     return rust if encodes_alike(tokenizer, rust, max_length, truncate) else None
+
+
+def truncated(
+    plain: Tokenizer, encoding: Encoding, keep: int, side: str, specials: bool
+) -> Encoding:
+    """``encoding`` (of a text without special tokens) cut to ``keep`` tokens on ``side``,
+    then given its special tokens: what ``plain`` would encode with truncation set."""
+    if len(encoding.ids) > keep:
+        encoding.truncate(keep, 0, side)
+    return plain.post_process(encoding, None, specials) if specials else encoding
+
+
+def truncates_alike(rust: Tokenizer, plain: Tokenizer, limit: int) -> bool:
+    """Whether :func:`truncated` encodes the probe texts (and one over ``limit``) as ``rust``
+    (truncating at ``limit``) does, on both sides, to ``limit`` tokens and to fewer."""
+    texts = [*PROBE_TEXTS, "probe " * (limit + 8)]
+    specials = plain.num_special_tokens_to_add(False)
+    reference = Tokenizer.from_str(rust.to_str())
+    for side in ("right", "left"):
+        for keep in {limit, max(specials + 1, limit // 2)}:
+            reference.enable_truncation(keep, stride=0, direction=side)
+            for text in texts:
+                theirs = reference.encode(text)
+                ours = truncated(
+                    plain, plain.encode(text, add_special_tokens=False), keep - specials, side, True
+                )
+                if (ours.ids, ours.type_ids, ours.offsets) != (
+                    theirs.ids,
+                    theirs.type_ids,
+                    theirs.offsets,
+                ):
+                    return False
+    return True
 
 
 def encodes_alike(
@@ -101,7 +164,9 @@ def encodes_alike(
 
 class InputEncoder:
     """Texts, text pairs or token ids -> :data:`Row` s. Texts are truncated to the maximum
-    length, or refused beyond it (``truncate=False``); token ids are checked by the caller."""
+    length, or refused beyond it (``truncate=False``), unless a request asks otherwise
+    (:class:`Truncation`); token ids are checked by the caller. With ``pooling_mask`` each row
+    also says which of its tokens pooling reads: all but a prompt's (``prompt_length``)."""
 
     def __init__(
         self,
@@ -111,6 +176,7 @@ class InputEncoder:
         token_type_ids: bool = False,
         offsets: bool = False,
         truncate: bool = True,
+        pooling_mask: bool = False,
     ):
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -118,6 +184,9 @@ class InputEncoder:
         self.token_type_ids = token_type_ids or "token_type_ids" in tokenizer.model_input_names
         self.offsets = offsets
         self.truncate = truncate
+        self.pooling_mask = pooling_mask
+        self.default = Truncation(truncate, tokenizer.truncation_side, max_length)
+        """The server's own truncation (``--max_length``, ``--no_truncation``)."""
         self.rust = rust_tokenizer(tokenizer, max_length, truncate)
         self.long: LongInputs | None = None
         if self.rust is not None and tokenizer.truncation_side == "right":
@@ -125,58 +194,190 @@ class InputEncoder:
             self.long = LongInputs(self.rust)
         self.single_specials = tokenizer.num_special_tokens_to_add(pair=False)
         self.pair_specials = tokenizer.num_special_tokens_to_add(pair=True)
+        self._copies: dict[tuple[bool, str], tuple[Tokenizer, LongInputs | None]] = {}
+        self._manual: bool | None = None
+        self._lock = threading.Lock()
+        """Around making copies, and the slow path's change of the tokenizer's side."""
 
-    def texts(self, texts: Sequence[str]) -> list[Row]:
-        """Texts, each on its own (as the embedding and classification tasks read them)."""
+    # texts
+
+    def texts(
+        self, texts: Sequence[str], truncation: Truncation | None = None, prompt_length: int = 0
+    ) -> list[Row]:
+        """Texts, each on its own (as the embedding and classification tasks read them);
+        ``prompt_length``: the tokens of a prompt they start with (see ``pooling_mask``)."""
+        truncation = truncation or self.default
+        if truncation == self.default or self.rust is None:
+            rows = self._texts(texts, truncation)
+        else:
+            rows = self._texts_cut(texts, truncation)
+        return self.with_pooling_mask(rows, prompt_length)
+
+    def _texts(self, texts: Sequence[str], truncation: Truncation) -> list[Row]:
+        """The server's own truncation on the Rust copy, or any through transformers."""
         specials = self.single_specials if self.add_special_tokens else 0
-        cuts = [self.cut(text, self.max_length - specials + 1) for text in texts]
+        long = self.long if self.rust is not None else None
+        cuts = [self.cut(text, truncation.limit - specials + 1, long) for text in texts]
         for index, cut in enumerate(cuts):
-            self.refuse_cut(cut, INPUT_NAME.format(index), index, specials)
-        rows = self._encode([cut.text for cut in cuts], self.add_special_tokens)
-        self.refuse_long(rows, INPUT_NAME)
+            self.refuse_cut(cut, INPUT_NAME.format(index), index, specials, truncation)
+        rows = self._encode([cut.text for cut in cuts], self.add_special_tokens, truncation)
+        self.refuse_long(rows, INPUT_NAME, truncation)
         return rows
 
-    def pairs(self, query: str, documents: Sequence[str]) -> list[Row]:
+    def _texts_cut(self, texts: Sequence[str], truncation: Truncation) -> list[Row]:
+        """Another truncation than the server's: encoded whole (or a window of the start, as
+        far as truncating on the right or refusing needs) and cut as the Rust tokenizer
+        would cut it (:func:`truncated`)."""
+        if not self.cuts_alike():
+            raise BadRequest(
+                "this model's tokenizer serves only the server's own truncation: leave "
+                "truncate, truncation_direction and truncate_prompt_tokens out"
+            )
+        plain, long = self.copy(False, "right")
+        specials = self.single_specials if self.add_special_tokens else 0
+        keep = truncation.limit - specials
+        windowed = long if truncation.side == "right" or not truncation.enabled else None
+        cuts = [self.cut(text, keep + 1, windowed) for text in texts]
+        for index, cut in enumerate(cuts):
+            self.refuse_cut(cut, INPUT_NAME.format(index), index, specials, truncation)
+        rows = []
+        for index, cut in enumerate(cuts):
+            encoding = plain.encode(cut.text, add_special_tokens=False)
+            if len(encoding.ids) > keep and not truncation.enabled:
+                tokens = len(encoding.ids) + specials
+                raise self.too_long(INPUT_NAME.format(index), index, tokens, truncation)
+            encoding = truncated(plain, encoding, keep, truncation.side, self.add_special_tokens)
+            rows.append(self._row(encoding))
+        return rows
+
+    def cuts_alike(self) -> bool:
+        """Whether :func:`truncated` encodes as the Rust tokenizer does (checked once)."""
+        if self._manual is None:
+            assert self.rust is not None
+            plain, _ = self.copy(False, "right")
+            self._manual = truncates_alike(self.rust, plain, self.max_length)
+        return self._manual
+
+    def copy(self, truncate: bool, side: str) -> tuple[Tokenizer, LongInputs | None]:
+        """A Rust copy truncating at the maximum on ``side`` (or not at all), made on first
+        use, with the windows of its long inputs where it keeps the start."""
+        key = (truncate, side if truncate else "right")
+        with self._lock:
+            if key not in self._copies:
+                rust = rust_copy(self.tokenizer, self.max_length, truncate, side)
+                self._copies[key] = (rust, LongInputs(rust) if key[1] == "right" else None)
+            return self._copies[key]
+
+    def with_pooling_mask(self, rows: list[Row], prompt_length: int) -> list[Row]:
+        if self.pooling_mask:
+            for row in rows:
+                mask = np.ones(len(row["input_ids"]), dtype=np.int64)
+                mask[:prompt_length] = 0
+                row["pooling_mask"] = mask
+        return rows
+
+    def prompt_length(self, prompt: str) -> int:
+        """A prompt's tokens as sentence-transformers counts them to leave them out of the
+        pooling: the prompt encoded alone, less a special token it ends with."""
+        if not prompt:
+            return 0
+        if self.rust is not None:
+            ids = self.rust.encode(prompt, add_special_tokens=self.add_special_tokens).ids
+        else:
+            ids = self.tokenizer(
+                prompt,
+                truncation=self.truncate,
+                max_length=self.max_length,
+                add_special_tokens=self.add_special_tokens,
+            )["input_ids"]
+        special = set(self.tokenizer.all_special_ids)
+        return len(ids) - (1 if ids and ids[-1] in special else 0)
+
+    # pairs
+
+    def pairs(
+        self, query: str, documents: Sequence[str], truncation: Truncation | None = None
+    ) -> list[Row]:
         """(query, document) pairs, as a cross-encoder reads them."""
+        return self.pairs_of([(query, document) for document in documents], truncation, True)
+
+    def pairs_of(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        truncation: Truncation | None = None,
+        one_query: bool = False,
+    ) -> list[Row]:
+        """Text pairs, each encoded as the tokenizer encodes ``tokenizer(first, second)``;
+        ``one_query``: every pair has the same first text, named "the query" in refusals."""
+        truncation = truncation or self.default
+        if truncation.limit != self.max_length:
+            raise BadRequest("truncate_prompt_tokens applies to single texts, not to pairs")
+        rust, long = self.rust, self.long
+        if rust is not None and truncation != self.default:
+            rust, long = self.copy(truncation.enabled, truncation.side)
+            if not truncation.enabled:
+                long = self.copy(False, "right")[1]
         needed = self.max_length - self.pair_specials + 1
-        query_cut = self.cut(query, needed)
-        self.refuse_cut(query_cut, "the query", 0, self.pair_specials)
-        if query_cut.settled is None and self.long is not None:
-            # Truncation shortens the longer side of a pair first: a document cut to a window
-            # must stay longer than the query, as the whole document is. (With both sides cut
-            # and an odd number of tokens to share, which side keeps the odd one may differ
-            # from truncating both whole: no window tells which is longer.)
-            window = self.long.first_window(needed)
-            if any(len(document) > window for document in documents):
-                needed = max(needed, self.long.count(query) + 1)
-        cuts = [self.cut(document, needed) for document in documents]
-        for index, cut in enumerate(cuts):
-            self.refuse_cut(cut, PAIR_NAME.format(index), index, self.pair_specials)
-        rows = self._encode([(query_cut.text, cut.text) for cut in cuts], True)
-        self.refuse_long(rows, PAIR_NAME)
+        counted: dict[str, Cut] = {}
+        lengths: dict[str, int] = {}
+        cut_pairs = []
+        for index, (first, second) in enumerate(pairs):
+            if first not in counted:
+                counted[first] = self.cut(first, needed, long)
+                what = QUERY_NAME if one_query else PAIR_NAME.format(index)
+                self.refuse_cut(counted[first], what, index, self.pair_specials, truncation)
+            first_cut, wanted = counted[first], needed
+            # Truncation shortens the longer side of a pair first: a second text cut to a
+            # window must stay longer than the first, as the whole text is. (With both sides
+            # cut and an odd number of tokens to share, which side keeps the odd one may
+            # differ from truncating both whole: no window tells which is longer.)
+            if (
+                first_cut.settled is None
+                and long is not None
+                and len(second) > long.first_window(needed)
+            ):
+                if first not in lengths:
+                    lengths[first] = long.count(first)
+                wanted = max(needed, lengths[first] + 1)
+            second_cut = self.cut(second, wanted, long)
+            what = PAIR_NAME.format(index) if one_query else f"pair {index}"
+            self.refuse_cut(second_cut, what, index, self.pair_specials, truncation)
+            cut_pairs.append((first_cut.text, second_cut.text))
+        rows = self._encode(cut_pairs, True, truncation, rust)
+        self.refuse_long(rows, PAIR_NAME if one_query else "pair {}", truncation)
         return rows
 
-    def cut(self, text: str, needed: int) -> Cut:
+    # shared
+
+    def cut(self, text: str, needed: int, long: LongInputs | None = None) -> Cut:
         """``text``, or the window of it that holds its first ``needed`` tokens (with
         truncation on the right, any more would be cut off)."""
-        if self.long is None:
+        if long is None:
             return Cut(text)
-        return self.long.cut(text, needed)
+        return long.cut(text, needed)
 
-    def refuse_cut(self, cut: Cut, what: str, index: int, specials: int) -> None:
+    def refuse_cut(
+        self, cut: Cut, what: str, index: int, specials: int, truncation: Truncation
+    ) -> None:
         """Without truncation, a text cut to a window is over the maximum."""
-        if not self.truncate and cut.settled is not None:
-            raise InputTooLong(what, index, cut.settled + specials, self.max_length, True)
+        if not truncation.enabled and cut.settled is not None:
+            raise self.too_long(what, index, cut.settled + specials, truncation, True)
 
-    def refuse_long(self, rows: list[Row], name: str) -> None:
+    def refuse_long(self, rows: list[Row], name: str, truncation: Truncation) -> None:
         """Without truncation, a row over the maximum is refused (``name``: the row's name,
         its index to be formatted in)."""
-        if self.truncate:
+        if truncation.enabled:
             return
         for index, row in enumerate(rows):
-            if len(row["input_ids"]) > self.max_length:
-                tokens = len(row["input_ids"])
-                raise InputTooLong(name.format(index), index, tokens, self.max_length)
+            tokens = len(row["input_ids"])
+            if tokens > truncation.limit:
+                raise self.too_long(name.format(index), index, tokens, truncation)
+
+    def too_long(
+        self, what: str, index: int, tokens: int, truncation: Truncation, at_least: bool = False
+    ) -> InputTooLong:
+        hint = None if truncation == self.default else REQUEST_HINT
+        return InputTooLong(what, index, tokens, truncation.limit, at_least, hint)
 
     def token_ids(self, inputs: Sequence[Sequence[int]]) -> list[Row]:
         """Token ids used as they are (no special tokens added)."""
@@ -188,24 +389,33 @@ class InputEncoder:
             if self.offsets:
                 row["offset_mapping"] = np.zeros((len(ids), 2), dtype=np.int64)
             rows.append(row)
-        return rows
+        return self.with_pooling_mask(rows, 0)
 
-    def _encode(self, inputs: list[Any], add_special_tokens: bool) -> list[Row]:
-        if self.rust is None:
-            return self._slow(inputs, add_special_tokens)
+    def _encode(
+        self,
+        inputs: list[Any],
+        add_special_tokens: bool,
+        truncation: Truncation,
+        rust: Tokenizer | None = None,
+    ) -> list[Row]:
+        rust = self.rust if rust is None else rust
+        if rust is None:
+            return self._slow(inputs, add_special_tokens, truncation)
         if len(inputs) <= FEW_INPUTS:
             # one by one: encode keeps the GIL, encode_batch releases it (to encode in
             # parallel) and must then wait to get it back from busy threads
-            encodings = [self._encode_one(item, add_special_tokens) for item in inputs]
+            encodings = [self._encode_one(rust, item, add_special_tokens) for item in inputs]
         else:
-            encodings = self.rust.encode_batch(inputs, add_special_tokens=add_special_tokens)
+            encodings = rust.encode_batch(inputs, add_special_tokens=add_special_tokens)
         return [self._row(encoding) for encoding in encodings]
 
-    def _encode_one(self, item: str | tuple[str, str], add_special_tokens: bool) -> Encoding:
-        assert self.rust is not None
+    @staticmethod
+    def _encode_one(
+        rust: Tokenizer, item: str | tuple[str, str], add_special_tokens: bool
+    ) -> Encoding:
         if isinstance(item, tuple):
-            return self.rust.encode(item[0], item[1], add_special_tokens=add_special_tokens)
-        return self.rust.encode(item, add_special_tokens=add_special_tokens)
+            return rust.encode(item[0], item[1], add_special_tokens=add_special_tokens)
+        return rust.encode(item, add_special_tokens=add_special_tokens)
 
     def _row(self, encoding: Encoding) -> Row:
         row = {"input_ids": np.array(encoding.ids, dtype=np.int64)}
@@ -215,22 +425,34 @@ class InputEncoder:
             row["offset_mapping"] = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         return row
 
-    def _slow(self, inputs: list[Any], add_special_tokens: bool) -> list[Row]:
+    @contextmanager
+    def _side(self, side: str) -> Iterator[None]:
+        """The tokenizer truncating on ``side`` for the duration (the slow path's calls)."""
+        with self._lock:
+            saved = self.tokenizer.truncation_side
+            self.tokenizer.truncation_side = side
+            try:
+                yield
+            finally:
+                self.tokenizer.truncation_side = saved
+
+    def _slow(
+        self, inputs: list[Any], add_special_tokens: bool, truncation: Truncation
+    ) -> list[Row]:
         """Through transformers (tokenizers without a plain Rust backend)."""
-        if inputs and isinstance(inputs[0], tuple):
-            first, second = [list(side) for side in zip(*inputs, strict=True)]
-            encoded = self.tokenizer(
-                first, second, truncation=self.truncate, max_length=self.max_length
-            )
-        else:
-            encoded = self.tokenizer(
-                inputs,
-                truncation=self.truncate,
-                max_length=self.max_length,
-                add_special_tokens=add_special_tokens,
-                return_token_type_ids=self.token_type_ids or None,
-                return_offsets_mapping=self.offsets,
-            )
+        options = {"truncation": truncation.enabled, "max_length": truncation.limit}
+        with self._side(truncation.side):
+            if inputs and isinstance(inputs[0], tuple):
+                first, second = [list(side) for side in zip(*inputs, strict=True)]
+                encoded = self.tokenizer(first, second, **options)
+            else:
+                encoded = self.tokenizer(
+                    inputs,
+                    add_special_tokens=add_special_tokens,
+                    return_token_type_ids=self.token_type_ids or None,
+                    return_offsets_mapping=self.offsets,
+                    **options,
+                )
         rows = []
         for index, ids in enumerate(encoded["input_ids"]):
             row = {"input_ids": np.array(ids, dtype=np.int64)}

@@ -33,23 +33,38 @@ GROWTH = 4
 """A window that settles too few tokens grows this many times."""
 
 
-class InputTooLong(BadRequest):
-    """An input over the maximum length, with ``--no_truncation`` (400)."""
+SERVER_HINT = "(--max_length); shorten it or run without --no_truncation"
 
-    def __init__(self, what: str, index: int, tokens: int, max_length: int, at_least: bool = False):
+
+class InputTooLong(BadRequest):
+    """An input over the maximum length, with ``--no_truncation`` or a request's own
+    ``truncate: false`` (400); ``hint``: what the message suggests (the flags by default)."""
+
+    def __init__(
+        self,
+        what: str,
+        index: int,
+        tokens: int,
+        max_length: int,
+        at_least: bool = False,
+        hint: str | None = None,
+    ):
         self.index = index
         self.tokens = tokens
         self.max_length = max_length
         self.at_least = at_least
+        self.hint = hint
         counted = f"at least {tokens}" if at_least else str(tokens)
         super().__init__(
             f"{what} has {counted} tokens, more than the maximum of {max_length} "
-            "(--max_length); shorten it or run without --no_truncation"
+            f"{SERVER_HINT if hint is None else '; ' + hint}".replace(" ;", ";")
         )
 
     def named(self, what: str) -> InputTooLong:
         """The same refusal, the input called ``what`` (``document 3``)."""
-        return InputTooLong(what, self.index, self.tokens, self.max_length, self.at_least)
+        return InputTooLong(
+            what, self.index, self.tokens, self.max_length, self.at_least, self.hint
+        )
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:

@@ -41,6 +41,8 @@ from .tokenizing import TokenizingEncoder, results_by_kind
 logger = logging.getLogger(__name__)
 
 NUMPY_TO_V2 = {"int64": "INT64", "int32": "INT32", "float32": "FP32", "bool": "BOOL"}
+SERVER_COLUMNS = frozenset({"offset_mapping", "pooling_mask"})
+"""Row columns the server keeps for itself (what results read), never model inputs."""
 Send = Callable[[InferRequest], Awaitable[InferResponse]]
 
 
@@ -95,7 +97,7 @@ class RemoteEncoder(TokenizingEncoder):
         names = self.config.tensor_input_names
         inputs = []
         for name, tensor in batch.items():
-            if name == "offset_mapping" or (names is not None and name not in names):
+            if name in SERVER_COLUMNS or (names is not None and name not in names):
                 continue
             array = tensor.numpy()
             inputs.append(InferInput(name, list(array.shape), NUMPY_TO_V2[str(array.dtype)], array))

@@ -10,18 +10,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from ..cli import DEFAULT_MAX_BATCH_SIZE, MiB, ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
+from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
+from ..encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
+from ..sentence.config import SentenceConfig
+from ..sentence.prompts import Prompts
 from ..tasks import Task
-from .base import EncoderBackend, EncoderInputs, release_weights, unloaded
+from .base import EncoderBackend, EncoderInputs, ModelInfo, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
-from .encoding import InputEncoder, Row
+from .encoding import InputEncoder, Row, Truncation
 
 if TYPE_CHECKING:  # the model runs where torch is (a front process has neither)
     import torch
@@ -49,14 +53,19 @@ class EncoderFacts:
     num_labels: int
     labels: dict[int, str] = field(default_factory=dict)
     """The config's ``id2label``."""
+    vocab_size: int | None = None
+    dtype: str = "float32"
+    """What the model runs in (torch's dtype name, or the runtime's precision)."""
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> EncoderFacts:
         limit = getattr(config, "max_position_embeddings", None)
+        vocab = getattr(config, "vocab_size", None)
         return cls(
             int(limit) if limit else None,
             int(config.num_labels or 0),
             {int(index): str(label) for index, label in (config.id2label or {}).items()},
+            int(vocab) if isinstance(vocab, int) else None,
         )
 
 
@@ -64,17 +73,24 @@ def resolve_max_length(
     requested: int | None,
     tokenizer: PreTrainedTokenizerBase,
     config: PretrainedConfig | EncoderFacts,
+    declared: int | None = None,
 ) -> int:
-    """``--max_length`` checked against what the model can take, or that limit by default."""
-    limits = [getattr(config, "max_position_embeddings", None)]
-    if tokenizer.model_max_length < UNSET_MAX_LENGTH:
-        limits.append(tokenizer.model_max_length)
-    known = [int(limit) for limit in limits if limit]
+    """``--max_length`` checked against what the model can take, or by default the length the
+    model was trained with: sentence-transformers' ``max_seq_length`` where its layout keeps
+    one (``declared``), else the tokenizer's, within the model's positions."""
+    positions = getattr(config, "max_position_embeddings", None)
+    tokenizer_max = tokenizer.model_max_length
+    tokenizer_limit = tokenizer_max if tokenizer_max < UNSET_MAX_LENGTH else None
+    default_limits = [positions, declared or tokenizer_limit]
+    known = [int(limit) for limit in default_limits if limit]
+    default = min(known) if known else None
+    ceiling = [positions, max(filter(None, (declared, tokenizer_limit)), default=None)]
+    known = [int(limit) for limit in ceiling if limit]
     model_limit = min(known) if known else None
     if requested is None:
-        if model_limit is None:
+        if default is None:
             raise StartupError("the model declares no maximum length; pass --max_length")
-        return model_limit
+        return default
     if model_limit is not None and requested > model_limit:
         raise StartupError(
             f"--max_length {requested} exceeds the model's maximum of {model_limit} tokens"
@@ -93,24 +109,18 @@ def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> 
             raise BadRequest(f"input {index} has token ids outside the vocabulary (0..{vocab - 1})")
 
 
-def pair_scores(raw: torch.Tensor) -> list[float]:
-    """A one-logit cross-encoder's relevance scores in [0, 1]."""
-    return raw[:, 0].float().sigmoid().tolist()
-
-
 def results_by_kind(
     task: EncoderTask, raw: torch.Tensor, batch: BatchEncoding, kinds: list[str]
 ) -> list[Any]:
-    """A result per row of a merged batch: the task's prediction, or a pair's score."""
-    if all(kind == "task" for kind in kinds):
-        return task.results(raw, batch)
-    if all(kind == "pair" for kind in kinds):
-        return pair_scores(raw)
+    """A result per row of a merged batch, of the kind (an :class:`Output`) its request asked
+    for: rows of one kind are shaped together."""
+    if all(kind == kinds[0] for kind in kinds):
+        return task.results_for(Output(kinds[0]), raw, batch)
     out: list[Any] = [None] * len(kinds)
     for kind in set(kinds):
         index = [i for i, k in enumerate(kinds) if k == kind]
         sub = BatchEncoding({key: value[index] for key, value in batch.items()})
-        part = pair_scores(raw[index]) if kind == "pair" else task.results(raw[index], sub)
+        part = task.results_for(Output(kind), raw[index], sub)
         for i, result in zip(index, part, strict=True):
             out[i] = result
     return out
@@ -133,13 +143,21 @@ class TokenizingEncoder(EncoderBackend):
             raise StartupError(
                 "the tokenizer has no padding token, needed to encode several texts at once"
             )
+        sentence = self.source.sentence
+        if sentence is not None and sentence.do_lower_case and not self.config.disable_lower_case:
+            lower_case_texts(tokenizer)
         self.tokenizer = tokenizer
         self.task: EncoderTask = self.task_class(
             tokenizer, self.source, EncoderOptions.from_config(self.config), facts.labels
         )
         if self.task.needs_offsets and not tokenizer.is_fast:
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
-        self.max_length = resolve_max_length(self.config.max_length, tokenizer, facts)
+        declared = sentence.max_seq_length if sentence is not None else None
+        self.max_length = resolve_max_length(self.config.max_length, tokenizer, facts, declared)
+        self.prompts = Prompts.of(
+            sentence, self.config.default_prompt_name, self.config.default_prompt
+        )
+        self.similarity = sentence.similarity if sentence is not None else "cosine"
         self.inputs = InputEncoder(
             tokenizer,
             self.max_length,
@@ -147,14 +165,16 @@ class TokenizingEncoder(EncoderBackend):
             token_type_ids=self.config.return_token_type_ids,
             offsets=self.task.needs_offsets,
             truncate=not self.config.no_truncation,
+            pooling_mask=sentence is not None and sentence.excludes_prompt,
         )
         self.load_model()
+        self.load_head()
         pad_values = {
             "input_ids": tokenizer.pad_token_id,
             "token_type_ids": tokenizer.pad_token_type_id,
         }
         limits = BatchLimits(
-            self.config.max_batch_tokens,
+            self.batch_tokens(),
             self.config.max_batch_size or self.default_max_batch_size(),
             self.config.batch_wait_ms / 1000,
         )
@@ -169,6 +189,27 @@ class TokenizingEncoder(EncoderBackend):
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
+
+    def load_head(self) -> None:
+        """What makes results of the model's outputs, where they are made (here: on CPU)."""
+        self.task.load_head("cpu")
+
+    def batch_tokens(self) -> int:
+        """Padded tokens per forward pass: ``--max_batch_tokens``, within what a sparse
+        model's vocabulary-sized logits allow."""
+        limit = self.config.max_batch_tokens
+        if isinstance(self.task, SparseEmbedding) and self.facts.vocab_size:
+            cap = self.task.max_batch_tokens(self.facts.vocab_size)
+            if cap < limit:
+                logger.info(
+                    "batches of at most %d padded tokens: their logits over the %d-term "
+                    "vocabulary stay within %d MiB",
+                    cap,
+                    self.facts.vocab_size,
+                    VOCABULARY_LOGITS_BYTES // MiB,
+                )
+                return cap
+        return limit
 
     def shutdown(self) -> None:
         """Stop serving for good (an unload, or the server stopping): requests not yet run
@@ -191,14 +232,72 @@ class TokenizingEncoder(EncoderBackend):
         """Rows per forward pass without ``--max_batch_size``, once the model is loaded."""
         return DEFAULT_MAX_BATCH_SIZE
 
-    async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
+    def info(self) -> ModelInfo:
+        limits = self.batcher.limits
+        return ModelInfo(
+            self.config.model_id or self.config.model_dir,
+            self.facts.dtype,
+            self.max_length,
+            limits.max_batch_tokens,
+            limits.max_batch_size,
+            self.config.max_concurrent_requests,
+            not self.config.no_truncation,
+            pooling_name(self.source.sentence, self.task.task),
+        )
+
+    # what a request asks of its inputs
+
+    def truncation(self, params: EncodeParams) -> Truncation | None:
+        """The truncation a request asks for (None: the server's own)."""
+        if params.truncate is None and params.truncation_side is None and params.max_tokens is None:
+            return None
+        enabled = params.truncate
+        if enabled is None:
+            enabled = params.max_tokens is not None or not self.config.no_truncation
+        limit = self.max_length
+        if params.max_tokens is not None and params.max_tokens != -1:
+            if params.max_tokens > self.max_length:
+                raise BadRequest(
+                    f"truncate_prompt_tokens {params.max_tokens} exceeds the maximum of "
+                    f"{self.max_length} tokens"
+                )
+            specials = self.inputs.single_specials if self.inputs.add_special_tokens else 0
+            if params.max_tokens <= specials:
+                raise BadRequest(
+                    f"truncate_prompt_tokens {params.max_tokens} leaves no room for text beside "
+                    f"the model's {specials} special tokens"
+                )
+            limit = params.max_tokens
+        side = params.truncation_side or self.tokenizer.truncation_side
+        truncation = Truncation(enabled, side, limit)
+        return None if truncation == self.inputs.default else truncation
+
+    def prompt(self, params: EncodeParams, inputs: EncoderInputs) -> str:
+        """The prompt a request's texts get ("" for none)."""
+        if inputs and not isinstance(inputs[0], str):
+            if params.asks_prompt:
+                raise BadRequest("a prompt applies to texts; token ids are used as they are")
+            return ""
+        return self.prompts.text(params)
+
+    # requests
+
+    async def infer_counted(
+        self,
+        inputs: EncoderInputs,
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
         """Checked and tokenized alone, then run in batches shared with other requests."""
+        self.task.check_output(output, "this request")
+        truncation = self.truncation(params)
+        prompt = self.prompt(params, inputs)
         with self.preparing():
-            if self.tokenizes_inline(inputs):
+            if truncation is None and not prompt and self.tokenizes_inline(inputs):
                 counts, rows = self.prepare_rows(inputs)
             else:
-                counts, rows = await self.off_loop(self.prepare_rows, inputs)
-            results = self.submit_rows(rows, "task")
+                counts, rows = await self.off_loop(self.prepare_rows, inputs, truncation, prompt)
+            results = self.submit_rows(rows, output.value)
         return await results, counts
 
     def tokenizes_inline(self, inputs: EncoderInputs) -> bool:
@@ -212,14 +311,49 @@ class TokenizingEncoder(EncoderBackend):
             return sum(len(text) for text in inputs) <= INLINE_TEXT_CHARS  # type: ignore[misc]
         return sum(len(ids) for ids in inputs) <= INLINE_TOKEN_IDS
 
-    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
-        """Cross-encoder scores; the pairs share forward passes with every other request."""
+    async def infer_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        """Text pairs through a sequence classifier (a cross-encoder); they share forward
+        passes with every other request."""
+        if self.task.task is not Task.sequence_classification:
+            raise BadRequest(
+                f"text pairs are read by sequence classifiers; this is a {self.task.task.value} "
+                "model"
+            )
+        self.task.check_output(output, "this request")
+        if params.asks_prompt:
+            raise BadRequest("prompts apply to single texts, not to pairs")
+        truncation = self.truncation(params)
+        with self.preparing():
+            counts, rows = await self.off_loop(self.prepare_pair_rows, pairs, truncation, False)
+            results = self.submit_rows(rows, output.value)
+        return await results, counts
+
+    async def score_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: EncodeParams = DEFAULT_PARAMS,
+        raw: bool = False,
+    ) -> tuple[list[float], int]:
+        """A cross-encoder's relevance of each document to the query (its activation applied,
+        or its logit with ``raw``); the pairs share forward passes with every other request."""
         if self.task.task is not Task.sequence_classification or self.facts.num_labels != 1:
             raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
+        if params.asks_prompt:
+            raise BadRequest("prompts apply to single texts, not to pairs")
+        truncation = self.truncation(params)
+        pairs = [(query, document) for document in documents]
+        output = Output.logits if raw else Output.scores
         with self.preparing():
-            counts, rows = await self.off_loop(self.prepare_pair_rows, query, documents)
-            results = self.submit_rows(rows, "pair")
-        return await results, sum(counts)
+            counts, rows = await self.off_loop(self.prepare_pair_rows, pairs, truncation, True)
+            results = self.submit_rows(rows, output.value)
+        scores = await results
+        return [score[0] if raw else score for score in scores], sum(counts)
 
     def preparing(self) -> AbstractContextManager[None]:
         """Around a request's preparation and submission: a batch about to run may wait
@@ -227,7 +361,8 @@ class TokenizingEncoder(EncoderBackend):
         return self.batcher.expect()
 
     def submit_rows(self, rows: list[Row], kind: str) -> Awaitable[list[Any]]:
-        """Queue a request's rows for the batcher: a result per row, of ``kind``."""
+        """Queue a request's rows for the batcher: a result per row, of ``kind`` (an
+        :class:`Output`'s value)."""
         return self.batcher.put(rows, kind)
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
@@ -241,7 +376,9 @@ class TokenizingEncoder(EncoderBackend):
             raise unloaded(self.config.model_name) from None
         return await future
 
-    def prepare_rows(self, inputs: EncoderInputs) -> tuple[list[int], list[Row]]:
+    def prepare_rows(
+        self, inputs: EncoderInputs, truncation: Truncation | None = None, prompt: str = ""
+    ) -> tuple[list[int], list[Row]]:
         """A request's inputs checked and tokenized (blocking: on the event loop only for small
         requests, see :meth:`tokenizes_inline`): each one's token count, and its row."""
         if inputs and not isinstance(inputs[0], str):
@@ -251,15 +388,22 @@ class TokenizingEncoder(EncoderBackend):
         else:
             for index, text in enumerate(inputs):
                 self.task.check_text(index, text)  # type: ignore[arg-type]
-            rows = self.inputs.texts(inputs)  # type: ignore[arg-type]
+            texts: Sequence[str] = inputs  # type: ignore[assignment]
+            if prompt:
+                texts = [prompt + text for text in texts]
+            length = self.inputs.prompt_length(prompt) if self.inputs.pooling_mask else 0
+            rows = self.inputs.texts(texts, truncation, length)
         self.task.check_rows(rows)
         return [len(row["input_ids"]) for row in rows], rows
 
     def prepare_pair_rows(
-        self, query: str, documents: Sequence[str]
+        self,
+        pairs: Sequence[tuple[str, str]],
+        truncation: Truncation | None = None,
+        one_query: bool = False,
     ) -> tuple[list[int], list[Row]]:
-        """(query, document) pairs for a cross-encoder, truncated to the maximum length."""
-        rows = self.inputs.pairs(query, documents)
+        """Text pairs for a cross-encoder, truncated to the maximum length."""
+        rows = self.inputs.pairs_of(pairs, truncation, one_query)
         return [len(row["input_ids"]) for row in rows], rows
 
     def run_rows(self, batch: BatchEncoding, kinds: list[str]) -> list[Any]:
@@ -271,3 +415,38 @@ class TokenizingEncoder(EncoderBackend):
     def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
         """The model's raw output (logits, or the last hidden state) for a merged batch, on
         the batcher's thread."""
+
+
+POOLING_NAMES = {"lasttoken": "last_token", "mean_sqrt_len_tokens": "mean_sqrt_len"}
+"""sentence-transformers' pooling modes as text-embeddings-inference names them."""
+
+
+def pooling_name(sentence: SentenceConfig | None, task: Task) -> str | None:
+    """An embedding model's pooling, as TEI's ``/info`` names it."""
+    if task is Task.sparse_embedding:
+        return "splade"
+    if task is not Task.text_embedding:
+        return None
+    pooling = sentence.pooling if sentence is not None else None
+    modes = pooling.modes if pooling is not None else ("mean",)
+    return "+".join(POOLING_NAMES.get(mode, mode) for mode in modes)
+
+
+def lower_case_texts(tokenizer: PreTrainedTokenizerBase) -> None:
+    """sentence-transformers' ``do_lower_case``: a lower-casing normaliser before the
+    tokenizer's own (as sentence-transformers 6 sets it up), unless it has one."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    if not tokenizer.is_fast:
+        raise StartupError(
+            "the model's sentence-transformers config lower-cases texts (do_lower_case), which "
+            "this server does with a fast tokenizer; this one is not"
+        )
+    backend = tokenizer.backend_tokenizer
+    normalizer = backend.normalizer
+    steps: list[Any] = [normalizer]
+    if isinstance(normalizer, Sequence):
+        steps = list(cast(Any, normalizer))
+    if any(isinstance(step, Lowercase) for step in steps):
+        return
+    backend.normalizer = Sequence([Lowercase(), *(step for step in steps if step is not None)])

@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
@@ -16,7 +16,7 @@ from transformers import BatchEncoding
 
 from ..cli import ServerConfig
 from ..loading import ModelSource, device, load_pretrained, resolve_dtype
-from .tokenizing import TokenizingEncoder
+from .tokenizing import EncoderFacts, TokenizingEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,9 @@ class TransformersEncoder(TokenizingEncoder):
         super().__init__(source, config)
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
+
+    def model_facts(self) -> EncoderFacts:
+        return replace(super().model_facts(), dtype=str(self.dtype).removeprefix("torch."))
 
     def load_model(self) -> None:
         auto_class = getattr(transformers, self.task.auto_model)

@@ -50,8 +50,16 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/metrics"})
-"""Health and metrics: never behind the key, never refused, never counted."""
+OPEN_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
+"""Health and metrics (``GET``): never behind the key, never refused, never counted."""
+OPEN_METHODS = frozenset({"GET", "HEAD"})
+
+
+def is_open(scope: Scope) -> bool:
+    """Health and metrics; ``POST /`` is a model route (text-embeddings-inference's)."""
+    return scope["path"] in OPEN_PATHS and scope["method"] in OPEN_METHODS
+
+
 NO_DEADLINE_PATH = "/v2/repository/"
 RETRY_AFTER_S = 1
 MAX_REQUEST_ID_CHARS = 128
@@ -210,7 +218,7 @@ class Gateway:
             return
         start = time.perf_counter()
         exchange = Exchange(send, request_id_of(scope))
-        if scope["path"] not in OPEN_PATHS:
+        if not is_open(scope):
             metrics.http_request_started()
         with request_notes.collecting() as notes:
             try:
@@ -224,8 +232,7 @@ class Gateway:
                 self.done(scope, exchange, time.perf_counter() - start, notes)
 
     async def serve(self, scope: Scope, receive: Receive, exchange: Exchange) -> None:
-        path = scope["path"]
-        if path in OPEN_PATHS:
+        if is_open(scope):
             await self.app(scope, receive, exchange.send)
             return
         self.check_key(scope)
@@ -360,7 +367,7 @@ class Gateway:
         await end_with_error(exchange.send, exchange, refusal.status, body, headers)
 
     def done(self, scope: Scope, exchange: Exchange, seconds: float, notes: list[str]) -> None:
-        if scope["path"] not in OPEN_PATHS:
+        if not is_open(scope):
             metrics.http_request_finished(
                 self.route_of(scope), self.policy.model_name, exchange.status, seconds
             )

@@ -120,12 +120,17 @@ async def kserve_client_error_handler(_: Request, exc: Exception) -> JSONRespons
 
 
 def error_body(path: str, openai_prefix: str, status: int, message: str) -> bytes:
-    """The error in the shape of the route ``path`` belongs to."""
+    """The error in the shape of the route ``path`` belongs to (``/``: TEI's ``POST /``, the
+    only request to it that is ever refused or fails)."""
     if is_openai_route(path, openai_prefix):
         from ..protocols.openai.errors import OpenAIErrorResponse
 
         code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status)
         return OpenAIErrorResponse.build(message, status, code=code).model_dump_json().encode()
+    from ..protocols.tei import routes as tei
+
+    if tei.is_tei_route(path, "POST"):
+        return tei.error_body(status, message)
     return json.dumps({"error": message}).encode()
 
 

@@ -60,6 +60,7 @@ from ..errors import StartupError
 from ..observability import metrics
 from ..protocols.openai.models import ServedModels
 from ..protocols.openai.routes import mount_openai
+from ..protocols.tei.routes import mount_tei
 from .admission import Admission
 from .gateway import ServerState
 from .grpc_policy import PolicyInterceptor
@@ -187,9 +188,9 @@ def build_app(
     enable_repository: bool = True,
     enable_docs_url: bool = False,
 ) -> FastAPI:
-    """The HTTP app: ``/metrics``, our OpenAI routes, KServe's liveness, V1 and V2 routes, then
-    KServe's error handlers with ours over them. Call once the models are registered; the
-    gateway and CORS go around it afterwards (:func:`~.serving.install_gateway`)."""
+    """The HTTP app: ``/metrics``, our OpenAI and TEI routes, KServe's liveness, V1 and V2
+    routes, then KServe's error handlers with ours over them. Call once the models are
+    registered; the gateway and CORS go around it afterwards (:func:`~.serving.install_gateway`)."""
     app = FastAPI(
         title="huggingfaceserver",
         version=__version__,
@@ -202,7 +203,9 @@ def build_app(
     else:  # this process's registry, answered on the loop, as KServe answers it
         app.add_api_route("/metrics", metrics_handler, methods=["GET"])
     install_error_handlers(app)  # its middleware inside the gateway's
-    mount_openai(app, ServedModels(dataplane.model_registry), openai_prefix)
+    models = ServedModels(dataplane.model_registry)
+    mount_openai(app, models, openai_prefix)
+    mount_tei(app, models, dataplane.ready)
     app.add_api_route("/", dataplane.live)
     register_v1_endpoints(app, dataplane, repository)
     register_v2_endpoints(app, dataplane, repository)

@@ -8,9 +8,17 @@ from .base import EncoderOptions, EncoderTask
 from .classification import SequenceClassification, TokenClassification
 from .embedding import TextEmbedding
 from .fill_mask import FillMask
+from .sparse import SparseEmbedding
 
 ENCODER_TASKS: dict[Task, type[EncoderTask]] = {
-    cls.task: cls for cls in (FillMask, TokenClassification, SequenceClassification, TextEmbedding)
+    cls.task: cls
+    for cls in (
+        FillMask,
+        TokenClassification,
+        SequenceClassification,
+        TextEmbedding,
+        SparseEmbedding,
+    )
 }
 
 

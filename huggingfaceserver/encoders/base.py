@@ -13,8 +13,10 @@ from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import ServerConfig
+from ..errors import BadRequest
 from ..loading import ModelSource
 from ..tasks import Task
+from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
@@ -57,6 +59,8 @@ class EncoderTask(ABC):
     """Name of the ``transformers`` auto class that loads this task's model."""
     output_field: ClassVar[str] = "logits"
     needs_offsets: ClassVar[bool] = False
+    outputs: ClassVar[dict[Output, str]] = {Output.task: "results"}
+    """The results a row may ask for (:class:`Output`), and the method that makes them."""
 
     def __init__(
         self,
@@ -69,6 +73,23 @@ class EncoderTask(ABC):
         self.labels = labels or {}
         """The model's class names (its config's ``id2label``)."""
         self.options = options
+        self.source = source
+
+    def load_head(self, device: str) -> None:
+        """In the process that runs the model, before the first batch: what turns its output
+        into results there (weights of the modules after the transformer, ...)."""
+
+    def supports(self, output: Output) -> bool:
+        return output in self.outputs
+
+    def check_output(self, output: Output, route: str) -> None:
+        """A 400 when ``route`` asks for results this task does not make."""
+        if not self.supports(output):
+            raise BadRequest(f"{route} is not served by a {self.task.value} model")
+
+    def results_for(self, output: Output, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        """The rows' results of kind ``output`` (one the task :meth:`supports`)."""
+        return getattr(self, self.outputs[output])(raw, batch)
 
     def check_text(self, index: int, text: str) -> None:
         """Reject an instance before tokenization (a :class:`BadRequest`)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from kserve.protocol.infer_type import InferOutput
@@ -10,6 +10,7 @@ from transformers import BatchEncoding
 
 from ..tasks import Task
 from .base import EncoderTask, bytes_output, lengths, output_type, pad_rows, tensor_output
+from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
@@ -19,25 +20,71 @@ PADDING_LABEL = -1
 
 
 class SequenceClassification(EncoderTask):
-    """V1: a class index per instance (or label, or score dict)."""
+    """V1: a class index per instance (or label, or score dict); for a one-label model (a
+    cross-encoder: a reranker, a similarity regressor) its score, as sentence-transformers'
+    ``CrossEncoder.predict`` gives it. Instances are texts or text pairs.
+
+    The score applies the cross-encoder's activation: the one its sentence-transformers files
+    name, else sigmoid for one label and identity for more (``CrossEncoder``'s defaults)."""
 
     task = Task.sequence_classification
     auto_model = "AutoModelForSequenceClassification"
+    outputs: ClassVar[dict[Output, str]] = {
+        Output.task: "results",
+        Output.scores: "scores",
+        Output.logits: "logits",
+    }
+    activation: torch.nn.Module
+
+    @property
+    def one_label(self) -> bool:
+        return len(self.labels) == 1
+
+    @property
+    def scored(self) -> bool:
+        """Whether V1/V2 results are a one-label model's scores (no flag asked for others)."""
+        return self.one_label and not (self.options.scores or self.options.return_labels)
+
+    def load_head(self, device: str) -> None:
+        import torch
+
+        from ..sentence.head import activation
+
+        sentence = self.source.sentence
+        name = sentence.activation_fn if sentence is not None else None
+        default = torch.nn.Sigmoid() if self.one_label else torch.nn.Identity()
+        self.activation = activation(name) if name else default
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         if self.options.scores:
             return [self.score_dict(row) for row in raw]
+        if self.scored:
+            return self.scores(raw, batch)
         classes = raw.argmax(dim=-1).tolist()
         if self.options.return_labels:
             return [self.label_key(c) for c in classes]
         return classes
 
+    def scores(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        import torch
+
+        with torch.inference_mode():
+            values = self.activation(raw.float())
+        return values[:, 0].tolist() if self.one_label else values.tolist()
+
+    def logits(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        return raw.float().tolist()
+
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
+        if self.scored:
+            return [tensor_output("output-0", np.array(results, dtype=np.float32), "FP32")]
         if self.options.scores or self.options.return_labels:
             return [bytes_output("output-0", results)]
         return [tensor_output("output-0", np.array(results, dtype=np.int64), "INT64")]
 
     def v2_output_types(self) -> list[dict[str, Any]]:
+        if self.scored:
+            return [output_type("output-0", "FP32", [-1])]
         plain = not (self.options.scores or self.options.return_labels)
         return [output_type("output-0", "INT64" if plain else "BYTES", [-1])]
 

@@ -1,9 +1,9 @@
-"""text_embedding: one pooled (and usually normalised) vector per instance."""
+"""text_embedding: one vector per instance, as sentence-transformers' ``encode`` gives it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from kserve.protocol.infer_type import InferOutput
@@ -11,17 +11,29 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..loading import ModelSource
 from ..tasks import Task
-from .base import EncoderOptions, EncoderTask, output_type, tensor_output
-from .pooling import PoolingConfig, pool
+from .base import EncoderOptions, EncoderTask, lengths, output_type, tensor_output
+from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
 
+    from ..sentence.head import SentenceHead
+
 
 class TextEmbedding(EncoderTask):
+    """The model's sentence-transformers modules (pooling, dense layers, layer norm,
+    normalisation) after its last hidden state; mean pooling and L2 normalisation for a model
+    saved without them."""
+
     task = Task.text_embedding
     auto_model = "AutoModel"
     output_field = "last_hidden_state"
+    outputs: ClassVar[dict[Output, str]] = {
+        Output.task: "results",
+        Output.normalized: "normalized",
+        Output.unnormalized: "unnormalized",
+        Output.tokens: "token_states",
+    }
 
     def __init__(
         self,
@@ -31,12 +43,41 @@ class TextEmbedding(EncoderTask):
         labels: Mapping[int, str] | None = None,
     ):
         super().__init__(tokenizer, source, options, labels)
-        self.pooling = PoolingConfig.from_sentence_transformers(
-            source.path, source.sentence_transformers_modules
-        )
+        self.head: SentenceHead | None = None
+
+    def load_head(self, device: str) -> None:
+        import torch
+
+        from ..sentence.head import SentenceHead
+
+        self.head = SentenceHead.build(self.source.sentence, torch.device(device))
+        hidden_size = getattr(self.source.config, "hidden_size", None)
+        if isinstance(hidden_size, int):
+            self.head.check(hidden_size, torch.device(device))
+
+    def vectors(
+        self, raw: torch.Tensor, batch: BatchEncoding, normalized: bool = True
+    ) -> torch.Tensor:
+        assert self.head is not None, "load_head() first"
+        mask = batch["attention_mask"]
+        return self.head.vectors(raw, mask, batch.get("pooling_mask"), normalized)
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
-        return pool(raw.float(), batch["attention_mask"], self.pooling).tolist()
+        return self.vectors(raw, batch).tolist()
+
+    def normalized(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        import torch.nn.functional as F
+
+        return F.normalize(self.vectors(raw, batch), p=2, dim=-1).tolist()
+
+    def unnormalized(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        return self.vectors(raw, batch, normalized=False).tolist()
+
+    def token_states(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        """Each row's tokens' last hidden states, unpooled (padding left out)."""
+        return [
+            row[:length].float().tolist() for row, length in zip(raw, lengths(batch), strict=True)
+        ]
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         return [tensor_output("output-0", np.array(results, dtype=np.float32), "FP32")]

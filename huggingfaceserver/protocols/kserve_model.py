@@ -19,7 +19,7 @@ from ..observability import request_notes
 from ..observability.request_ids import new_request_id
 from ..observability.startup import STARTUP
 from ..tasks import Task
-from .kserve_inputs import texts_from_v1, texts_from_v2
+from .kserve_inputs import Instances, instances_from_v1, instances_from_v2
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,13 @@ class EncoderCall:
     """A decoded request on its way through preprocess -> predict -> postprocess."""
 
     request_id: str
-    texts: list[str]
+    instances: Instances
     v2: InferRequest | None = None
     results: list[Any] | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        return self.instances.texts
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class RequestLogging:
         if not self.enabled:
             return
         shown = request_notes.preview(call.texts, self.max_len)
-        detail = f"model={model} instances={len(call.texts)} {shown}"
+        detail = f"model={model} instances={len(call.instances.items)} {shown}"
         if not request_notes.add(detail):
             logger.info("request %s %s", call.request_id, detail)
 
@@ -165,23 +169,29 @@ class EncoderModel(BackendModel):
     def get_output_types(self) -> list[dict[str, Any]]:
         return self.backend.task.v2_output_types() if self.ready else []
 
+    @property
+    def reads_pairs(self) -> bool:
+        """Whether instances may be text pairs (a sequence classifier's)."""
+        return self.task is Task.sequence_classification
+
     async def preprocess(self, payload: Any, headers: dict[str, str] | None = None) -> EncoderCall:
         headers = headers or {}
+        limit = self.max_inputs_per_request
         if isinstance(payload, InferRequest):
             request_id = payload.id or headers.get("x-request-id") or new_request_id()
-            texts = texts_from_v2(payload, self.max_inputs_per_request)
-            call = EncoderCall(request_id, texts, v2=payload)
+            instances = instances_from_v2(payload, limit, self.reads_pairs)
+            call = EncoderCall(request_id, instances, v2=payload)
         else:
             request_id = headers.get("x-request-id") or new_request_id()
-            texts = texts_from_v1(payload, self.max_inputs_per_request)
-            call = EncoderCall(request_id, texts)
+            call = EncoderCall(request_id, instances_from_v1(payload, limit, self.reads_pairs))
         self.request_logging.log(call, self.name)
         return call
 
     async def predict(  # type: ignore[override]
         self, call: EncoderCall, headers: dict[str, str] | None = None
     ) -> EncoderCall:
-        call.results = await self.backend.infer(call.texts)
+        instances = call.instances
+        call.results, _ = await self.backend.infer_instances(instances.items, instances.params)
         return call
 
     async def postprocess(  # type: ignore[override]

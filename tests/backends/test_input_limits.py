@@ -196,9 +196,9 @@ async def test_a_long_text_is_tokenized_on_the_tokenizing_thread(encoder, tiny_m
     backend = encoder(tiny_models["st_cls"]).backend
     threads = []
 
-    def texts(inputs):
+    def texts(inputs, *options):
         threads.append(threading.current_thread().name)
-        return encode(inputs)
+        return encode(inputs, *options)
 
     encode = backend.inputs.texts
     monkeypatch.setattr(backend.inputs, "texts", texts)

@@ -147,7 +147,9 @@ def test_kserve_routes_answer_a_generic_500_in_their_shape(encoder_server, path,
     normal = httpx.post(
         encoder_server.url + "/v1/models/m:predict", json={"instances": ["a dog"]}, timeout=60
     )
-    assert normal.status_code == 200 and normal.json() == {"predictions": [0]}
+    assert normal.status_code == 200, normal.text
+    [score] = normal.json()["predictions"]  # a one-label model's (a cross-encoder's) score
+    assert 0 < score < 1
 
 
 @slow
@@ -348,4 +350,6 @@ def test_behind_fronts_the_engine_keeps_the_details_in_its_log(two_front_server)
     normal = httpx.post(
         two_front_server.url + "/v1/models/m:predict", json={"instances": ["a dog"]}, timeout=60
     )
-    assert normal.status_code == 200 and normal.json() == {"predictions": [0]}
+    assert normal.status_code == 200, normal.text
+    [score] = normal.json()["predictions"]  # a one-label model's (a cross-encoder's) score
+    assert 0 < score < 1

@@ -11,18 +11,25 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ...cli import ServerConfig
 from ...encoders import EncoderOptions
 from ...encoders.embedding import TextEmbedding
+from ...encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ...errors import BadRequest, StartupError
 from ...loading import ModelSource, load_tokenizer
+from ...sentence.prompts import Prompts
 from ...tasks import Task
-from ..base import EncoderBackend, EncoderInputs
-from ..encoding import InputEncoder
-from ..tokenizing import check_token_inputs, resolve_max_length
+from ..base import EncoderBackend, EncoderInputs, ModelInfo
+from ..encoding import InputEncoder, Truncation
+from ..tokenizing import check_token_inputs, lower_case_texts, pooling_name, resolve_max_length
 from . import compat
 from .engine import EngineHolder
 from .engine_args import build_engine_args
+
+SERVED_OUTPUTS = frozenset({Output.task, Output.normalized})
+"""What vLLM's pooling runner gives: the model's embedding (normalised as the model does)."""
 
 
 class VLLMEmbedder(EngineHolder, EncoderBackend):
@@ -42,11 +49,24 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
 
     def load(self) -> None:
         self.tokenizer = load_tokenizer(self.source, self.config)
+        sentence = self.source.sentence
+        if sentence is not None and sentence.excludes_prompt:
+            raise StartupError(
+                "the vLLM backend pools prompts with the text; this model leaves them out "
+                "(include_prompt: false): use --backend huggingface or onnx"
+            )
+        if sentence is not None and sentence.do_lower_case and not self.config.disable_lower_case:
+            lower_case_texts(self.tokenizer)
         options = EncoderOptions.from_config(self.config)
         self.task = TextEmbedding(self.tokenizer, self.source, options)
+        declared = sentence.max_seq_length if sentence is not None else None
         self.max_length = resolve_max_length(
-            self.config.max_length, self.tokenizer, self.source.config
+            self.config.max_length, self.tokenizer, self.source.config, declared
         )
+        self.prompts = Prompts.of(
+            sentence, self.config.default_prompt_name, self.config.default_prompt
+        )
+        self.similarity = sentence.similarity if sentence is not None else "cosine"
         self.encoder = InputEncoder(
             self.tokenizer,
             self.max_length,
@@ -55,15 +75,40 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         )
         self.start_engine()
 
-    def token_ids(self, inputs: EncoderInputs) -> list[list[int]]:
-        """Texts tokenized as the transformers backend does (over-long texts truncated, or
-        refused with ``--no_truncation``, never tokenized whole), or token ids checked."""
+    def token_ids(self, inputs: EncoderInputs, params: EncodeParams) -> list[list[int]]:
+        """Texts tokenized as the transformers backend does (the prompt before each, over-long
+        texts truncated or refused, never tokenized whole), or token ids checked."""
         if inputs and isinstance(inputs[0], str):
-            rows = self.encoder.texts(list(inputs))  # type: ignore[arg-type]
+            prompt = self.prompts.text(params)
+            texts = [prompt + text for text in inputs]  # type: ignore[operator]
+            rows = self.encoder.texts(texts, self.truncation(params))
             return [[int(i) for i in row["input_ids"]] for row in rows]
+        if params.asks_prompt:
+            raise BadRequest("a prompt applies to texts; token ids are used as they are")
         ids_lists: list[list[int]] = [list(ids) for ids in inputs]  # type: ignore[arg-type]
         check_token_inputs(ids_lists, len(self.tokenizer), self.max_length)
         return ids_lists
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            self.config.model_id or self.config.model_dir,
+            self.config.dtype,
+            self.max_length,
+            self.config.max_batch_tokens,
+            self.config.max_batch_size or 0,
+            self.config.max_concurrent_requests,
+            not self.config.no_truncation,
+            pooling_name(self.source.sentence, Task.text_embedding),
+        )
+
+    def truncation(self, params: EncodeParams) -> Truncation | None:
+        if params.truncate is None and params.truncation_side is None and params.max_tokens is None:
+            return None
+        if params.max_tokens is not None and params.max_tokens not in (-1, self.max_length):
+            raise BadRequest("truncate_prompt_tokens is served by the transformers backend")
+        enabled = params.truncate if params.truncate is not None else not self.config.no_truncation
+        side = params.truncation_side or self.tokenizer.truncation_side
+        return Truncation(enabled or params.max_tokens is not None, side, self.max_length)
 
     async def _embed(self, ids: list[int]) -> list[float]:
         final: Any = None
@@ -74,10 +119,35 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
             final = output
         return final.outputs.data.float().tolist()
 
-    async def infer_counted(self, inputs: EncoderInputs) -> tuple[list[Any], list[int]]:
-        ids_lists = await asyncio.to_thread(self.token_ids, inputs)
-        vectors = await asyncio.gather(*(self._embed(ids) for ids in ids_lists))
-        return list(vectors), [len(ids) for ids in ids_lists]
+    async def infer_counted(
+        self,
+        inputs: EncoderInputs,
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        if output not in SERVED_OUTPUTS:
+            raise BadRequest(f"{output.value} results are served by the transformers backend")
+        ids_lists = await asyncio.to_thread(self.token_ids, inputs, params)
+        vectors = list(await asyncio.gather(*(self._embed(ids) for ids in ids_lists)))
+        if output is Output.normalized:
+            array = np.asarray(vectors, dtype=np.float64)
+            norms = np.linalg.norm(array, axis=1, keepdims=True)
+            vectors = (array / np.maximum(norms, 1e-12)).tolist()
+        return vectors, [len(ids) for ids in ids_lists]
 
-    async def score_pairs(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+    async def infer_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        params: EncodeParams = DEFAULT_PARAMS,
+        output: Output = Output.task,
+    ) -> tuple[list[Any], list[int]]:
+        raise BadRequest("text pairs are read by sequence classifiers; this is an embedding model")
+
+    async def score_pairs(
+        self,
+        query: str,
+        documents: Sequence[str],
+        params: EncodeParams = DEFAULT_PARAMS,
+        raw: bool = False,
+    ) -> tuple[list[float], int]:
         raise BadRequest("cross-encoder scoring runs on the transformers backend")

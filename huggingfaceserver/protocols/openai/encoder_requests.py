@@ -2,18 +2,23 @@
 
 As for generation requests, fields these models do not know are accepted and ignored
 (``extra="allow"``), so clients that send newer OpenAI, Cohere or Jina fields keep working.
+The extensions vLLM's and text-embeddings-inference's clients send are read: a prompt
+(``prompt_name``, ``prompt``), truncation (``truncate``, ``truncation_direction`` or
+``truncation_side``, ``truncate_prompt_tokens``) and ``normalize``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
+from ...encoders.params import Output
+from ..encode_fields import TruncatedEncodeFields, TruncationFields
 from .fields import TextOrTokens, split_text_or_tokens
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(TruncatedEncodeFields):
     """``POST /v1/embeddings`` (OpenAI)."""
 
     model_config = ConfigDict(extra="allow")
@@ -24,6 +29,9 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1)
     """Matryoshka truncation: keep the first ``dimensions`` values (then renormalize)."""
     user: str | None = None
+    normalize: Annotated[bool, Strict()] | None = None
+    """vLLM's: True L2-normalises, False leaves out the model's normalisation; None: as the
+    model (sentence-transformers) gives its vectors."""
 
     def inputs(self) -> list[str] | list[list[int]]:
         """One entry per input: its text, or its token ids."""
@@ -34,6 +42,14 @@ class EmbeddingRequest(BaseModel):
         """Whether vectors are sent as base64 little-endian float32 (the SDK's own default)."""
         return self.encoding_format == "base64"
 
+    @property
+    def output(self) -> Output:
+        return NORMALIZE_OUTPUTS[self.normalize]
+
+
+NORMALIZE_OUTPUTS = {None: Output.task, True: Output.normalized, False: Output.unnormalized}
+"""``normalize`` -> the embedding asked for."""
+
 
 class RerankDocument(BaseModel):
     """A document given as an object (Cohere and Jina accept both forms)."""
@@ -43,7 +59,7 @@ class RerankDocument(BaseModel):
     text: str
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(TruncationFields):
     """``POST /v1/rerank`` in the Cohere / Jina shape."""
 
     model_config = ConfigDict(extra="allow")

@@ -13,18 +13,18 @@ import asyncio
 import importlib
 import os
 import sys
-from collections.abc import Callable, Coroutine
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from ...backends.base import GenerationBackend
 from ...errors import ServerError
+from ..error_routes import ShapedErrorRoute
+from ..openapi import publish_request_bodies
 from .bodies import JSONBody, to_json
 from .encoder_requests import EmbeddingRequest, RerankRequest
 from .errors import openai_error_response, validation_error_body
@@ -46,7 +46,6 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/detokenize": DetokenizeRequest,
 }
 """The body each POST route parses itself, as /openapi.json documents it."""
-SCHEMA_PREFIX = "OpenAI"
 
 
 def route_prefix(environ: dict[str, str] | None = None) -> str:
@@ -56,22 +55,16 @@ def route_prefix(environ: dict[str, str] | None = None) -> str:
     return f"/{value.lstrip('/')}" if value else ""
 
 
-class OpenAIRoute(APIRoute):
+class OpenAIRoute(ShapedErrorRoute):
     """Renders our errors and validation failures in the OpenAI shape, with their status."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+    @staticmethod
+    def server_error(exc: ServerError) -> Response:
+        return openai_error_response(exc)
 
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ServerError as exc:
-                return openai_error_response(exc)
-            except (ValidationError, RequestValidationError) as exc:
-                body = validation_error_body(exc)
-                return JSONResponse(status_code=400, content=body.model_dump())
-
-        return route
+    @staticmethod
+    def invalid(exc: ValidationError | RequestValidationError) -> Response:
+        return JSONResponse(status_code=400, content=validation_error_body(exc).model_dump())
 
 
 async def parse(request: Request, model: type[R]) -> R:
@@ -140,35 +133,6 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     return router
 
 
-def request_body(document: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI ``requestBody`` of ``model``; its schemas go into the document's
-    components, named ``OpenAI<Model>`` so that none replaces one of KServe's."""
-    template = f"#/components/schemas/{SCHEMA_PREFIX}{{model}}"
-    schema = model.model_json_schema(ref_template=template)
-    components = document.setdefault("components", {}).setdefault("schemas", {})
-    for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
-        components[SCHEMA_PREFIX + name] = definition
-    reference = {"$ref": template.format(model=model.__name__)}
-    return {"required": True, "content": {"application/json": {"schema": reference}}}
-
-
-def publish_request_bodies(app: FastAPI, prefix: str) -> None:
-    """Document the bodies of :data:`BODIES` in /openapi.json (the handlers take a raw
-    ``Request``, so FastAPI sees none), when the document is first asked for: the JSON
-    schemas take tens of milliseconds to build, which start-up need not spend."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            document = build()
-            for path, model in BODIES.items():
-                if operation := document["paths"].get(prefix + path, {}).get("post"):
-                    operation["requestBody"] = request_body(document, model)
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
 def mount_openai(app: FastAPI, models: ServedModels, prefix: str) -> None:
     """Add the routes to ``app``; call before KServe adds its own so ours match first, and
     after the models are registered: a generation model's handlers are imported now, not by
@@ -177,4 +141,4 @@ def mount_openai(app: FastAPI, models: ServedModels, prefix: str) -> None:
     if any(isinstance(getattr(m, "backend", None), GenerationBackend) for m in served):
         importlib.import_module(SERVING_CHAT)
     app.include_router(openai_router(models, kserve_compatible=prefix == ""), prefix=prefix)
-    publish_request_bodies(app, prefix)
+    publish_request_bodies(app, {prefix + path: body for path, body in BODIES.items()}, "OpenAI")

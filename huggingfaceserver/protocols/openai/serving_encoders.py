@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from ...backends.base import EncoderBackend
-from ...backends.long_inputs import InputTooLong
 from ...errors import BadRequest
 from ...tasks import Task
 from ..limits import check_input_count
+from ..relevance import relevance
 from .encoder_requests import EmbeddingRequest, RerankRequest
 from .encoder_responses import (
     EmbeddingResponse,
@@ -19,18 +19,15 @@ from .encoder_responses import (
 from .models import ServedModels
 
 
-def _normalise(vector: list[float]) -> list[float]:
-    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
-    return [v / norm for v in vector]
-
-
-def _shorten(vector: list[float], dimensions: int | None) -> list[float]:
+def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]] | np.ndarray:
     """OpenAI's ``dimensions``: keep the first ones, then re-normalise."""
     if dimensions is None:
-        return vector
-    if dimensions > len(vector):
-        raise BadRequest(f"dimensions {dimensions} exceeds the model's {len(vector)} dimensions")
-    return _normalise(vector[:dimensions])
+        return vectors
+    width = len(vectors[0]) if vectors else 0
+    if dimensions > width:
+        raise BadRequest(f"dimensions {dimensions} exceeds the model's {width} dimensions")
+    kept = np.asarray(vectors, dtype=np.float64)[:, :dimensions]
+    return kept / np.maximum(np.linalg.norm(kept, axis=1, keepdims=True), 1e-12)
 
 
 async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> EmbeddingResponse:
@@ -43,24 +40,10 @@ async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> 
         )
     inputs = request.inputs()
     check_input_count(len(inputs), model.max_inputs_per_request)
-    vectors, counts = await backend.infer_counted(inputs)
-    vectors = [_shorten(v, request.dimensions) for v in vectors]
-    return embedding_response(model.name, vectors, sum(counts), as_base64=request.base64)
-
-
-async def _relevance(
-    backend: EncoderBackend, task: Task, query: str, documents: list[str]
-) -> tuple[list[float], int]:
-    """Cross-encoders score (query, document) pairs; embedding models use cosine similarity."""
-    if task is Task.text_embedding:
-        try:
-            vectors, counts = await backend.infer_counted([query, *documents])
-        except InputTooLong as exc:  # inputs 1.. are the documents
-            raise exc.named(f"document {exc.index - 1}" if exc.index else "the query") from None
-        q = _normalise(vectors[0])
-        scores = [sum(a * b for a, b in zip(q, _normalise(d), strict=True)) for d in vectors[1:]]
-        return scores, sum(counts)
-    return await backend.score_pairs(query, documents)
+    params = request.encode_params()
+    vectors, counts = await backend.infer_counted(inputs, params, request.output)
+    shortened = shorten(vectors, request.dimensions)
+    return embedding_response(model.name, shortened, sum(counts), as_base64=request.base64)
 
 
 async def create_rerank(models: ServedModels, request: RerankRequest) -> RerankResponse:
@@ -68,7 +51,9 @@ async def create_rerank(models: ServedModels, request: RerankRequest) -> RerankR
     backend = models.backend(model.name, EncoderBackend, "/v1/rerank")  # type: ignore[type-abstract]
     check_input_count(len(request.documents), model.max_inputs_per_request, "documents")
     documents = request.texts()
-    scores, tokens = await _relevance(backend, model.task, request.query, documents)
+    scores, tokens = await relevance(
+        backend, model.task, request.query, documents, request.encode_params()
+    )
     return rerank_response(
         model.name, scores, documents, tokens, request.top_n, request.return_documents
     )

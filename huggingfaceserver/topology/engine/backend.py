@@ -72,6 +72,9 @@ class EngineEncoder(ServedByEngine, TokenizingEncoder):
             raise StartupError("the engine serves no encoder model")
         return self.state.encoder
 
+    def load_head(self) -> None:
+        """Nothing: the engine makes the results."""
+
     def preparing(self) -> AbstractContextManager[None]:
         return nullcontext()  # the engine batches what arrives; nothing here to wait for
 

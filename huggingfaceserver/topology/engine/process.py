@@ -24,7 +24,8 @@ from ...backends.continuous_batching import Request as GenerateRequest
 from ...backends.tokenizing import TokenizingEncoder
 from ...backends.transformers_generation import TransformersGenerator
 from ...cli import ServerConfig
-from ...errors import NotReady, ServerError
+from ...encoders.params import Output
+from ...errors import BadRequest, NotReady, ServerError
 from ...generation.params import ChoiceDelta
 from ...generation.sequence import SequenceState
 from ...loading import freeze_loaded_heap, tokenizer_class_name
@@ -47,6 +48,9 @@ from .messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+KINDS = frozenset(output.value for output in Output)
+"""The results an encoder row may ask for (:class:`Output`)."""
 
 FRONTS_WAIT_S = 120.0
 """How long a loaded engine waits for the fronts before it times its forward pass anyway."""
@@ -160,6 +164,10 @@ class Engine:
         backend = self.backend
         if not self.loaded or not isinstance(backend, TokenizingEncoder):
             self.channel.send(failure(message.id, NotReady("the model is not loaded")), peer)
+            return
+        if message.kind not in KINDS or not backend.task.supports(Output(message.kind)):
+            refusal = BadRequest(f"the model makes no {message.kind!r} results")
+            self.channel.send(failure(message.id, refusal), peer)
             return
         key = (peer, message.id)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import huggingfaceserver.topology.engine.process as engine_process
@@ -212,9 +213,10 @@ async def test_task_rows_and_pair_rows_in_flight_together(tiny_models, encoder, 
     flags = ["--return_probabilities"]
     local = encoder(tiny_models["bert_sequence_classification"], *flags).backend
     _, task_rows = local.prepare_rows(["I love this movie!", "The food was okay."])
-    _, pair_rows = local.prepare_pair_rows("Paris", ["Paris is in France.", "A red ball."])
+    pairs = [("Paris", "Paris is in France."), ("Paris", "A red ball.")]
+    _, pair_rows = local.prepare_pair_rows(pairs)
     expected_task = await local_results(local, task_rows, "task")
-    expected_pairs = await local_results(local, pair_rows, "pair")
+    expected_pairs = await local_results(local, pair_rows, "scores")
     backend = engine_backend(tiny_models["bert_sequence_classification"], *flags)
     with (
         engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
@@ -222,10 +224,10 @@ async def test_task_rows_and_pair_rows_in_flight_together(tiny_models, encoder, 
     ):
         await ready(client)
         got_task, got_pairs = await asyncio.gather(
-            client.encode(task_rows, "task"), client.encode(pair_rows, "pair")
+            client.encode(task_rows, "task"), client.encode(pair_rows, "scores")
         )
     assert got_task == expected_task
-    assert got_pairs == pytest.approx(expected_pairs, abs=1e-6)
+    assert np.allclose(got_pairs, expected_pairs, atol=1e-6)
 
 
 async def test_aborts_of_unknown_and_cancelled_requests_are_harmless(
