@@ -15,10 +15,19 @@ PYTEST_ARGS ?=
 VLLM_VERSION ?= 0.28.0
 VLLM_STAMP := $(VENV)/.vllm-$(VLLM_VERSION)
 
+# LangChain's embedding clients, in a virtual environment of their own in the tests (as in a
+# user's application): langchain-huggingface 1.1.0 is its last release whose
+# HuggingFaceEndpointEmbeddings takes a TEI server's URL (1.2 refuses URLs), and it pins
+# huggingface_hub below 1; langchain-openai's OpenAIEmbeddings is what LangChain's TEI guide
+# now points at the OpenAI route (numpy: huggingface_hub reads embeddings with it).
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_SPECS ?= langchain-huggingface==1.1.0 langchain-openai==1.7.4 numpy
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed-1
+
 LLM_DIR ?= .cache/tiny-llama
 BACKEND ?= huggingface
 
-.PHONY: install install-vllm bytecode run run-llm test test-vllm lint format clean bench \
+.PHONY: install install-vllm install-clients bytecode run run-llm test test-vllm lint format clean bench \
 	gpu-wheels image image-gpu
 
 install: $(STAMP)
@@ -38,6 +47,13 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	rm -f $(VENV)/.vllm-*
 	touch $(VLLM_STAMP)
+
+install-clients: $(CLIENTS_STAMP)
+
+$(CLIENTS_STAMP):
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet $(CLIENTS_SPECS)
+	touch $(CLIENTS_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,7 +83,7 @@ run-llm: install
 	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir $(LLM_DIR) \
 		--model_name llm --backend $(BACKEND) --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
 
-test: install install-vllm lint
+test: install install-vllm install-clients lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The vLLM tier against another vLLM release: make test-vllm VLLM_VERSION=0.32.0
@@ -131,4 +147,4 @@ format: install
 	$(BIN)/ruff format huggingfaceserver tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

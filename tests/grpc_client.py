@@ -6,6 +6,8 @@ JSON object from its stdout.
 
     python tests/grpc_client.py HOST:PORT MODEL infer TEXT...   -> {"server_ready", "model_ready",
                                                                     "datatype", "shape", "data"}
+    python tests/grpc_client.py HOST:PORT MODEL infer-parameters JSON TEXT...  -> the same, the
+                                              request's parameters (a JSON object) sent along
     python tests/grpc_client.py HOST:PORT MODEL infer-int64      -> {"status", "message"}
     python tests/grpc_client.py HOST:PORT MODEL status TEXT...   -> {"status", "message"}
     python tests/grpc_client.py HOST:PORT MODEL unload           -> {"status", "message"}
@@ -27,15 +29,21 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 
-def infer_texts(client: grpcclient.InferenceServerClient, model: str, texts: list[str]) -> dict:
+def infer_texts(
+    client: grpcclient.InferenceServerClient,
+    model: str,
+    texts: list[str],
+    parameters: dict | None = None,
+    headers: dict | None = None,
+) -> dict:
     text = grpcclient.InferInput("input-0", [len(texts)], "BYTES")
     text.set_data_from_numpy(np.array(texts, dtype=object))
-    result = client.infer(model, [text])
+    result = client.infer(model, [text], parameters=parameters, headers=headers)
     output = result.get_output("output-0")
     array = result.as_numpy("output-0")
     return {
         "server_ready": client.is_server_ready(),
-        "model_ready": client.is_model_ready(model),
+        "model_ready": client.is_model_ready(model, headers=headers),
         "datatype": output.datatype,
         "shape": list(array.shape),
         "data": array.tolist(),
@@ -67,6 +75,9 @@ def main(argv: list[str]) -> None:
     client = grpcclient.InferenceServerClient(url)
     if mode == "infer":
         result = infer_texts(client, model, texts)
+    elif mode == "infer-parameters":
+        parameters, *texts = texts
+        result = infer_texts(client, model, texts, json.loads(parameters), headers)
     elif mode == "infer-int64":
         result = infer_int64(client, model)
     elif mode == "status":

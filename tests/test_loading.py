@@ -209,6 +209,11 @@ def test_sentence_transformers_files_win_over_the_architecture(tmp_path, tiny_mo
     assert source.task is Task.text_embedding
 
 
+def test_a_sentence_transformers_module_it_does_not_run_is_named(sentence_models):
+    message = startup_error("--model_dir", str(sentence_models["router", "unsupported"]))
+    assert "sentence_transformers.base.modules.router.Router is not served" in message
+
+
 def test_malformed_modules_json_is_a_startup_error(tmp_path, tiny_models):
     folder = tmp_path / "bad_modules"
     shutil.copytree(tiny_models["bert_embedding"], folder)

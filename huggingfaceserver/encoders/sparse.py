@@ -38,7 +38,8 @@ class SparseEmbedding(EncoderTask):
         found = [m for m in sentence.modules if isinstance(m, SpladePooling)] if sentence else []
         self.pooling = found[0] if found else SpladePooling()
 
-    def max_batch_tokens(self, vocabulary: int) -> int:
+    @staticmethod
+    def max_batch_tokens(vocabulary: int) -> int:
         """Padded tokens per forward pass that keep its logits within
         :data:`VOCABULARY_LOGITS_BYTES`."""
         return max(1, VOCABULARY_LOGITS_BYTES // (4 * max(1, vocabulary)))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder
+from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder, Truncation
+from huggingfaceserver.backends.long_inputs import InputTooLong
+from tests.tiny_models import CORPUS
 
 TEXTS = [
     "john lives in new york",
@@ -123,3 +125,72 @@ def test_a_tokenizer_that_encodes_otherwise_goes_through_transformers(tiny_model
     reference = expected(shouting, TEXTS, return_offsets_mapping=True)
     assert reference["input_ids"] != expected(plain, TEXTS)["input_ids"]
     check_rows(encoder.texts(TEXTS), reference, ["input_ids", "offset_mapping"])
+
+
+def tokenized_as(tokenizer, truncation: Truncation, *texts, **kwargs) -> dict:
+    """What ``tokenizer`` gives truncating at ``truncation`` (its side set for the call)."""
+    saved, tokenizer.truncation_side = tokenizer.truncation_side, truncation.side
+    try:
+        return tokenizer(*texts, truncation=True, max_length=truncation.limit, **kwargs)
+    finally:
+        tokenizer.truncation_side = saved
+
+
+LONG = " ".join(CORPUS[:3])
+ASKED = [
+    Truncation(True, "left", MAX_LENGTH),
+    Truncation(True, "right", 9),
+    Truncation(True, "left", 9),
+]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["rust", "transformers"])
+@pytest.mark.parametrize("truncation", ASKED, ids=["left", "right-9", "left-9"])
+def test_a_request_truncates_its_own_way(tokenizer, fast, truncation):
+    """Another side or fewer tokens than the server's: what the tokenizer gives truncating
+    that way, special tokens kept, offsets of the text's own characters."""
+    encoder = InputEncoder(tokenizer, MAX_LENGTH, offsets=True)
+    if not fast:
+        encoder.rust = encoder.long = None
+    texts = [*TEXTS, LONG, LONG * 300]
+    reference = tokenized_as(tokenizer, truncation, texts, return_offsets_mapping=True)
+    keys = ["input_ids", "offset_mapping"]
+    if "token_type_ids" in tokenizer.model_input_names:
+        keys.append("token_type_ids")
+    check_rows(encoder.texts(texts, truncation), reference, keys)
+    # the server's own truncation is untouched by the requests that asked for another
+    check_rows(encoder.texts(texts), expected(tokenizer, texts, return_offsets_mapping=True), keys)
+
+
+def test_a_request_that_refuses_truncation(tokenizer):
+    encoder = InputEncoder(tokenizer, MAX_LENGTH)
+    tokens = len(tokenizer(LONG)["input_ids"])
+    with pytest.raises(InputTooLong, match=rf"^input 1 has {tokens} tokens, .*truncate: true$"):
+        encoder.texts(["short", LONG], Truncation(False, "right", MAX_LENGTH))
+    with pytest.raises(InputTooLong, match=r"^input 0 has at least \d+ tokens"):
+        encoder.texts([LONG * 2_000], Truncation(False, "left", MAX_LENGTH))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_pairs_truncated_on_a_side(tiny_models, side):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_sequence_classification"])
+    encoder = InputEncoder(tokenizer, MAX_LENGTH)
+    pairs = [("the query", LONG), (LONG, "a short document"), ("a", "b")]
+    truncation = Truncation(True, side, MAX_LENGTH)
+    reference = tokenized_as(tokenizer, truncation, *map(list, zip(*pairs, strict=True)))
+    check_rows(encoder.pairs_of(pairs, truncation), reference, ["input_ids", "token_type_ids"])
+
+
+def test_rows_say_which_tokens_pooling_reads(tiny_models):
+    """Left out of the pooling: a prompt's tokens, less the special token it ends with when
+    encoded alone (as sentence-transformers counts them)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_embedding"])
+    encoder = InputEncoder(tokenizer, MAX_LENGTH, pooling_mask=True)
+    prompt = "represent the question :"
+    length = encoder.prompt_length(prompt)
+    assert length == len(tokenizer(prompt)["input_ids"]) - 1  # [CLS] and its words, not [SEP]
+    [row] = encoder.texts([prompt + " where is paris"], prompt_length=length)
+    np.testing.assert_array_equal(row["pooling_mask"][: length + 1], [0] * length + [1])
+    assert row["pooling_mask"][length:].all()
+    [plain] = encoder.token_ids([[5, 6, 7]])
+    np.testing.assert_array_equal(plain["pooling_mask"], [1, 1, 1])

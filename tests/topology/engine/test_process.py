@@ -25,7 +25,7 @@ from huggingfaceserver.backends.base import EncoderBackend, GenerationBackend
 from huggingfaceserver.backends.continuous_batching import Request as GenerateRequest
 from huggingfaceserver.backends.transformers_generation import TransformersGenerator
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.errors import ServerError, StartupError
+from huggingfaceserver.errors import BadRequest, ServerError, StartupError
 from huggingfaceserver.generation.params import ChoiceDelta, Constraint, SamplingParams
 from huggingfaceserver.topology.engine import backend as front_backends
 from huggingfaceserver.topology.engine.backend import EngineGenerator
@@ -205,6 +205,31 @@ async def test_engine_results_are_the_backends_own(
         assert as_json(await client.encode(rows, "task")) == as_json(expected)
         one_by_one = [await client.encode([row], "task") for row in rows]
         assert as_json([result for [result] in one_by_one]) == as_json(expected)
+
+
+async def test_rows_for_sentence_transformers_models_keep_their_columns_and_kinds(
+    sentence_models, encoder, tmp_path
+):
+    """A prompt left out of the pooling (the rows' pooling mask) and every kind of result an
+    embedding request may ask for travel to the engine and back as the backend makes them."""
+    path = sentence_models["instructor", "st6"]
+    local = encoder(path).backend
+    prompt = local.prompts.default
+    _, rows = local.prepare_rows(["A man is eating food.", "bread"], None, prompt)
+    assert "pooling_mask" in rows[0] and not rows[0]["pooling_mask"][:3].any()
+    backend = engine_backend(path)
+    with (
+        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        await ready(client)
+        for kind in ("task", "unnormalized", "normalized", "tokens"):
+            expected = await local_results(local, rows, kind)
+            got = await client.encode(rows, kind)
+            for mine, theirs in zip(got, expected, strict=True):  # ("tokens": rows differ)
+                assert np.allclose(mine, theirs, atol=1e-6), kind
+        with pytest.raises(BadRequest, match="no 'scores' results"):
+            await client.encode(rows, "scores")
 
 
 async def test_task_rows_and_pair_rows_in_flight_together(tiny_models, encoder, tmp_path):
