@@ -13,7 +13,6 @@ from huggingfaceserver.loading import read_config_json
 from huggingfaceserver.sentence.config import (
     Dense,
     LayerNorm,
-    Normalize,
     Pooling,
     SentenceConfig,
     SpladePooling,
