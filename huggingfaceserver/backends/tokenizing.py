@@ -289,26 +289,28 @@ class TokenizingEncoder(EncoderBackend):
         output: Output = Output.task,
     ) -> tuple[list[Any], list[int]]:
         """Checked and tokenized alone, then run in batches shared with other requests."""
-        self.task.check_output(output, "this request")
+        self.task.check_output(output)
         truncation = self.truncation(params)
         prompt = self.prompt(params, inputs)
         with self.preparing():
-            if truncation is None and not prompt and self.tokenizes_inline(inputs):
-                counts, rows = self.prepare_rows(inputs)
+            if truncation is None and self.tokenizes_inline(inputs, len(prompt)):
+                counts, rows = self.prepare_rows(inputs, None, prompt)
             else:
                 counts, rows = await self.off_loop(self.prepare_rows, inputs, truncation, prompt)
             results = self.submit_rows(rows, output.value)
         return await results, counts
 
-    def tokenizes_inline(self, inputs: EncoderInputs) -> bool:
+    def tokenizes_inline(self, inputs: EncoderInputs, prompt_chars: int = 0) -> bool:
         """Whether a request is small enough to tokenize right on the event loop: with the Rust
         tokenizer, a sentence takes some 20 microseconds, less than the hop to a thread and
         back (a thread switch each way, and the GIL handed over twice). Anything larger goes
-        to the tokenizing thread, so the loop never waits on a long text."""
+        to the tokenizing thread, so the loop never waits on a long text (nor does a request
+        that truncates otherwise than the server: its first makes a tokenizer copy)."""
         if self.inputs.rust is None:
             return False
         if inputs and isinstance(inputs[0], str):
-            return sum(len(text) for text in inputs) <= INLINE_TEXT_CHARS  # type: ignore[misc]
+            chars = sum(len(text) + prompt_chars for text in inputs)  # type: ignore[misc]
+            return chars <= INLINE_TEXT_CHARS
         return sum(len(ids) for ids in inputs) <= INLINE_TOKEN_IDS
 
     async def infer_pairs(
@@ -324,7 +326,7 @@ class TokenizingEncoder(EncoderBackend):
                 f"text pairs are read by sequence classifiers; this is a {self.task.task.value} "
                 "model"
             )
-        self.task.check_output(output, "this request")
+        self.task.check_output(output)
         if params.asks_prompt:
             raise BadRequest("prompts apply to single texts, not to pairs")
         truncation = self.truncation(params)

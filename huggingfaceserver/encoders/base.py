@@ -82,10 +82,10 @@ class EncoderTask(ABC):
     def supports(self, output: Output) -> bool:
         return output in self.outputs
 
-    def check_output(self, output: Output, route: str) -> None:
-        """A 400 when ``route`` asks for results this task does not make."""
+    def check_output(self, output: Output) -> None:
+        """A 400 for results this task does not make."""
         if not self.supports(output):
-            raise BadRequest(f"{route} is not served by a {self.task.value} model")
+            raise BadRequest(unsupported_output(output, self.task))
 
     def results_for(self, output: Output, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         """The rows' results of kind ``output`` (one the task :meth:`supports`)."""
@@ -127,6 +127,10 @@ class EncoderTask(ABC):
         else:
             values = logits.float().tolist()
         return {self.label_key(i): v for i, v in enumerate(values)}
+
+
+def unsupported_output(output: Output | str, task: Task) -> str:
+    return f"a {task.value} model makes no {getattr(output, 'value', output)!r} results"
 
 
 def output_type(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:

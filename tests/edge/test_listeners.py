@@ -59,6 +59,18 @@ OUR_ROUTES = {
     ("/openai/v1/tokenize", "POST"),
     ("/openai/v1/detokenize", "POST"),
 }
+TEI_ROUTES = {
+    *(
+        (path, "POST")
+        for path in (
+            "/embed", "/embed_sparse", "/embed_all", "/predict", "/rerank", "/tokenize",
+            "/decode", "/",
+        )
+    ),
+    ("/info", "GET"),
+    ("/health", "GET"),
+}  # fmt: skip
+"""text-embeddings-inference's, on a server of an encoder model."""
 DOCS_ROUTES = {("/docs", "GET,HEAD"), ("/docs/oauth2-redirect", "GET,HEAD")}
 
 
@@ -150,9 +162,10 @@ def app_routes(enable_repository: bool, enable_docs_url: bool, model) -> set[tup
 def test_the_app_serves_kserves_routes_and_ours_and_nothing_else(
     encoder_model, enable_repository, enable_docs_url
 ):
-    """KServe's V1/V2 routes (no OpenAI or time-series routes of its own), ours, the
-    repository routes only when enabled, the docs only with ``--enable_docs_url``."""
-    expected = KSERVE_ROUTES | OUR_ROUTES
+    """KServe's V1/V2 routes (no OpenAI or time-series routes of its own), ours (TEI's: an
+    encoder model is served), the repository routes only when enabled, the docs only with
+    ``--enable_docs_url``."""
+    expected = KSERVE_ROUTES | OUR_ROUTES | TEI_ROUTES
     if enable_repository:
         expected |= REPOSITORY_ROUTES
     if enable_docs_url:

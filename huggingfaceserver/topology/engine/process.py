@@ -24,6 +24,7 @@ from ...backends.continuous_batching import Request as GenerateRequest
 from ...backends.tokenizing import TokenizingEncoder
 from ...backends.transformers_generation import TransformersGenerator
 from ...cli import ServerConfig
+from ...encoders.base import unsupported_output
 from ...encoders.params import Output
 from ...errors import BadRequest, NotReady, ServerError
 from ...generation.params import ChoiceDelta
@@ -166,7 +167,7 @@ class Engine:
             self.channel.send(failure(message.id, NotReady("the model is not loaded")), peer)
             return
         if message.kind not in KINDS or not backend.task.supports(Output(message.kind)):
-            refusal = BadRequest(f"the model makes no {message.kind!r} results")
+            refusal = BadRequest(unsupported_output(message.kind, backend.task.task))
             self.channel.send(failure(message.id, refusal), peer)
             return
         key = (peer, message.id)

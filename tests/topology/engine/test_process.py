@@ -228,7 +228,7 @@ async def test_rows_for_sentence_transformers_models_keep_their_columns_and_kind
             got = await client.encode(rows, kind)
             for mine, theirs in zip(got, expected, strict=True):  # ("tokens": rows differ)
                 assert np.allclose(mine, theirs, atol=1e-6), kind
-        with pytest.raises(BadRequest, match="no 'scores' results"):
+        with pytest.raises(BadRequest, match="text_embedding model makes no 'scores' results"):
             await client.encode(rows, "scores")
 
 
