@@ -59,9 +59,8 @@ class ModelInfo:
     max_concurrent_requests: int
     truncates: bool
     """Whether inputs over the maximum are truncated by default (``--no_truncation``: no)."""
-    pooling: str | None = None
-    """An embedding model's pooling (TEI's names: ``cls``, ``mean``, ``last_token``,
-    ``splade``...; ``+`` between the modes of one that concatenates several)."""
+    pooling: tuple[str, ...] = ()
+    """An embedding model's pooling modes (sentence-transformers' names)."""
 
 
 class EncoderBackend(ABC):

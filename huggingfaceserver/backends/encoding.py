@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import BadRequest
 from .long_inputs import Cut, InputTooLong, LongInputs
+from .truncation import Truncation, truncated, truncates_alike
 
 PROBE_TEXTS = (
     "Hello, World! How are you today?",
@@ -60,16 +60,6 @@ Row = dict[str, np.ndarray]
 unpadded; the attention mask is made when rows are merged."""
 
 
-@dataclass(frozen=True)
-class Truncation:
-    """How inputs over ``limit`` tokens are treated: cut on ``side`` (``right`` keeps the
-    start), or refused (``enabled`` False)."""
-
-    enabled: bool
-    side: str
-    limit: int
-
-
 def rust_copy(
     tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool, side: str
 ) -> Tokenizer:
@@ -95,39 +85,6 @@ def rust_tokenizer(
         return None
     rust = rust_copy(tokenizer, max_length, truncate, tokenizer.truncation_side)
     return rust if encodes_alike(tokenizer, rust, max_length, truncate) else None
-
-
-def truncated(
-    plain: Tokenizer, encoding: Encoding, keep: int, side: str, specials: bool
-) -> Encoding:
-    """``encoding`` (of a text without special tokens) cut to ``keep`` tokens on ``side``,
-    then given its special tokens: what ``plain`` would encode with truncation set."""
-    if len(encoding.ids) > keep:
-        encoding.truncate(keep, 0, side)
-    return plain.post_process(encoding, None, specials) if specials else encoding
-
-
-def truncates_alike(rust: Tokenizer, plain: Tokenizer, limit: int) -> bool:
-    """Whether :func:`truncated` encodes the probe texts (and one over ``limit``) as ``rust``
-    (truncating at ``limit``) does, on both sides, to ``limit`` tokens and to fewer."""
-    texts = [*PROBE_TEXTS, "probe " * (limit + 8)]
-    specials = plain.num_special_tokens_to_add(False)
-    reference = Tokenizer.from_str(rust.to_str())
-    for side in ("right", "left"):
-        for keep in {limit, max(specials + 1, limit // 2)}:
-            reference.enable_truncation(keep, stride=0, direction=side)
-            for text in texts:
-                theirs = reference.encode(text)
-                ours = truncated(
-                    plain, plain.encode(text, add_special_tokens=False), keep - specials, side, True
-                )
-                if (ours.ids, ours.type_ids, ours.offsets) != (
-                    theirs.ids,
-                    theirs.type_ids,
-                    theirs.offsets,
-                ):
-                    return False
-    return True
 
 
 def encodes_alike(
@@ -193,6 +150,8 @@ class InputEncoder:
             # a window (the text's start) holds the first tokens: truncation on the right only
             self.long = LongInputs(self.rust)
         self.single_specials = tokenizer.num_special_tokens_to_add(pair=False)
+        self.text_specials = self.single_specials if add_special_tokens else 0
+        """The special tokens each single text gets."""
         self.pair_specials = tokenizer.num_special_tokens_to_add(pair=True)
         self._copies: dict[tuple[bool, str], tuple[Tokenizer, LongInputs | None]] = {}
         self._manual: bool | None = None
@@ -215,7 +174,7 @@ class InputEncoder:
 
     def _texts(self, texts: Sequence[str], truncation: Truncation) -> list[Row]:
         """The server's own truncation on the Rust copy, or any through transformers."""
-        specials = self.single_specials if self.add_special_tokens else 0
+        specials = self.text_specials
         long = self.long if self.rust is not None else None
         cuts = [self.cut(text, truncation.limit - specials + 1, long) for text in texts]
         for index, cut in enumerate(cuts):
@@ -234,7 +193,7 @@ class InputEncoder:
                 "truncate, truncation_direction and truncate_prompt_tokens out"
             )
         plain, long = self.copy(False, "right")
-        specials = self.single_specials if self.add_special_tokens else 0
+        specials = self.text_specials
         keep = truncation.limit - specials
         windowed = long if truncation.side == "right" or not truncation.enabled else None
         cuts = [self.cut(text, keep + 1, windowed) for text in texts]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
@@ -20,12 +20,14 @@ from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ..encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
-from ..sentence.config import SentenceConfig
+from ..sentence.config import pooling_modes
 from ..sentence.prompts import Prompts
+from ..sentence.tokenizer import lower_case_texts
 from ..tasks import Task
 from .base import EncoderBackend, EncoderInputs, ModelInfo, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
-from .encoding import InputEncoder, Row, Truncation
+from .encoding import InputEncoder, Row
+from .truncation import Truncation, asked_truncation
 
 if TYPE_CHECKING:  # the model runs where torch is (a front process has neither)
     import torch
@@ -145,7 +147,7 @@ class TokenizingEncoder(EncoderBackend):
             )
         sentence = self.source.sentence
         if sentence is not None and sentence.do_lower_case and not self.config.disable_lower_case:
-            lower_case_texts(tokenizer)
+            lower_case_texts(tokenizer)  # as sentence-transformers 6 does
         self.tokenizer = tokenizer
         self.task: EncoderTask = self.task_class(
             tokenizer, self.source, EncoderOptions.from_config(self.config), facts.labels
@@ -242,35 +244,14 @@ class TokenizingEncoder(EncoderBackend):
             limits.max_batch_size,
             self.config.max_concurrent_requests,
             not self.config.no_truncation,
-            pooling_name(self.source.sentence, self.task.task),
+            pooling_modes(self.source.sentence) if self.task.task is Task.text_embedding else (),
         )
 
     # what a request asks of its inputs
 
     def truncation(self, params: EncodeParams) -> Truncation | None:
         """The truncation a request asks for (None: the server's own)."""
-        if params.truncate is None and params.truncation_side is None and params.max_tokens is None:
-            return None
-        enabled = params.truncate
-        if enabled is None:
-            enabled = params.max_tokens is not None or not self.config.no_truncation
-        limit = self.max_length
-        if params.max_tokens is not None and params.max_tokens != -1:
-            if params.max_tokens > self.max_length:
-                raise BadRequest(
-                    f"truncate_prompt_tokens {params.max_tokens} exceeds the maximum of "
-                    f"{self.max_length} tokens"
-                )
-            specials = self.inputs.single_specials if self.inputs.add_special_tokens else 0
-            if params.max_tokens <= specials:
-                raise BadRequest(
-                    f"truncate_prompt_tokens {params.max_tokens} leaves no room for text beside "
-                    f"the model's {specials} special tokens"
-                )
-            limit = params.max_tokens
-        side = params.truncation_side or self.tokenizer.truncation_side
-        truncation = Truncation(enabled, side, limit)
-        return None if truncation == self.inputs.default else truncation
+        return asked_truncation(params, self.inputs.default, self.inputs.text_specials)
 
     def prompt(self, params: EncodeParams, inputs: EncoderInputs) -> str:
         """The prompt a request's texts get ("" for none)."""
@@ -417,38 +398,3 @@ class TokenizingEncoder(EncoderBackend):
     def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
         """The model's raw output (logits, or the last hidden state) for a merged batch, on
         the batcher's thread."""
-
-
-POOLING_NAMES = {"lasttoken": "last_token", "mean_sqrt_len_tokens": "mean_sqrt_len"}
-"""sentence-transformers' pooling modes as text-embeddings-inference names them."""
-
-
-def pooling_name(sentence: SentenceConfig | None, task: Task) -> str | None:
-    """An embedding model's pooling, as TEI's ``/info`` names it."""
-    if task is Task.sparse_embedding:
-        return "splade"
-    if task is not Task.text_embedding:
-        return None
-    pooling = sentence.pooling if sentence is not None else None
-    modes = pooling.modes if pooling is not None else ("mean",)
-    return "+".join(POOLING_NAMES.get(mode, mode) for mode in modes)
-
-
-def lower_case_texts(tokenizer: PreTrainedTokenizerBase) -> None:
-    """sentence-transformers' ``do_lower_case``: a lower-casing normaliser before the
-    tokenizer's own (as sentence-transformers 6 sets it up), unless it has one."""
-    from tokenizers.normalizers import Lowercase, Sequence
-
-    if not tokenizer.is_fast:
-        raise StartupError(
-            "the model's sentence-transformers config lower-cases texts (do_lower_case), which "
-            "this server does with a fast tokenizer; this one is not"
-        )
-    backend = tokenizer.backend_tokenizer
-    normalizer = backend.normalizer
-    steps: list[Any] = [normalizer]
-    if isinstance(normalizer, Sequence):
-        steps = list(cast(Any, normalizer))
-    if any(isinstance(step, Lowercase) for step in steps):
-        return
-    backend.normalizer = Sequence([Lowercase(), *(step for step in steps if step is not None)])

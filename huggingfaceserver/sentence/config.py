@@ -162,6 +162,13 @@ class SentenceConfig:
         return self.similarity_fn_name or "cosine"
 
 
+def pooling_modes(config: SentenceConfig | None) -> tuple[str, ...]:
+    """The pooling an embedding model's vectors get: its Pooling module's modes, mean for a
+    model saved without sentence-transformers files."""
+    pooling = config.pooling if config is not None else None
+    return pooling.modes if pooling is not None else ("mean",)
+
+
 def read_sentence_config(path: Path, model_config: dict[str, Any]) -> SentenceConfig | None:
     """The folder's sentence-transformers configuration (``model_config``: its ``config.json``
     as JSON); None for a folder sentence-transformers did not save (a plain transformers

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder, Truncation
+from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder
 from huggingfaceserver.backends.long_inputs import InputTooLong
+from huggingfaceserver.backends.truncation import Truncation
 from tests.tiny_models import CORPUS
 
 TEXTS = [

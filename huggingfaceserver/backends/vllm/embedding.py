@@ -19,11 +19,14 @@ from ...encoders.embedding import TextEmbedding
 from ...encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ...errors import BadRequest, StartupError
 from ...loading import ModelSource, load_tokenizer
+from ...sentence.config import pooling_modes
 from ...sentence.prompts import Prompts
+from ...sentence.tokenizer import lower_case_texts
 from ...tasks import Task
 from ..base import EncoderBackend, EncoderInputs, ModelInfo
-from ..encoding import InputEncoder, Truncation
-from ..tokenizing import check_token_inputs, lower_case_texts, pooling_name, resolve_max_length
+from ..encoding import InputEncoder
+from ..tokenizing import check_token_inputs, resolve_max_length
+from ..truncation import Truncation, asked_truncation
 from . import compat
 from .engine import EngineHolder
 from .engine_args import build_engine_args
@@ -98,17 +101,12 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
             self.config.max_batch_size or 0,
             self.config.max_concurrent_requests,
             not self.config.no_truncation,
-            pooling_name(self.source.sentence, Task.text_embedding),
+            pooling_modes(self.source.sentence),
         )
 
     def truncation(self, params: EncodeParams) -> Truncation | None:
-        if params.truncate is None and params.truncation_side is None and params.max_tokens is None:
-            return None
-        if params.max_tokens is not None and params.max_tokens not in (-1, self.max_length):
-            raise BadRequest("truncate_prompt_tokens is served by the transformers backend")
-        enabled = params.truncate if params.truncate is not None else not self.config.no_truncation
-        side = params.truncation_side or self.tokenizer.truncation_side
-        return Truncation(enabled or params.max_tokens is not None, side, self.max_length)
+        """A request's own truncation, to at most the maximum (vLLM's engine takes the ids)."""
+        return asked_truncation(params, self.encoder.default, self.encoder.text_specials)
 
     async def _embed(self, ids: list[int]) -> list[float]:
         final: Any = None

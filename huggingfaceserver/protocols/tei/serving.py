@@ -230,12 +230,19 @@ async def decode(models: ServedModels, request: DecodeRequest) -> list[str]:
     return await asyncio.to_thread(run)
 
 
+POOLING_NAMES = {"lasttoken": "last_token", "mean_sqrt_len_tokens": "mean_sqrt_len"}
+"""sentence-transformers' pooling modes as TEI names them."""
+
+
 def model_type(model: EncoderModel, backend: EncoderBackend) -> dict[str, Any]:
-    """TEI's ``model_type``: an embedding model with its pooling, a reranker (a one-label
-    classifier) or a classifier, with its labels."""
-    info = backend.info()
-    if model.task in (Task.text_embedding, Task.sparse_embedding):
-        return {"embedding": {"pooling": info.pooling}}
+    """TEI's ``model_type``: an embedding model with its pooling (``+`` between the modes of
+    one that concatenates several), a reranker (a one-label classifier) or a classifier, with
+    its labels."""
+    if model.task is Task.sparse_embedding:
+        return {"embedding": {"pooling": "splade"}}
+    if model.task is Task.text_embedding:
+        modes = backend.info().pooling
+        return {"embedding": {"pooling": "+".join(POOLING_NAMES.get(m, m) for m in modes)}}
     labels = {str(i): name for i, name in backend.task.labels.items()}
     classes = {"id2label": labels, "label2id": {name: int(i) for i, name in labels.items()}}
     kind = "reranker" if len(labels) == 1 else "classifier"

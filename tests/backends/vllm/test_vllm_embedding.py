@@ -80,3 +80,23 @@ def test_other_encoder_tasks_on_vllm_are_a_startup_error(tiny_models):
     last = [line for line in result.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("huggingfaceserver: error: ")
     assert "fill_mask" in last or "BertForMaskedLM" in last
+
+
+def test_prompts_and_truncation_as_on_transformers(server, minilm_path, reference):
+    """A request's prompt, MiniLM's max_seq_length (256) for a long text, and truncation off."""
+    st = reference("SentenceTransformer", minilm_path)
+    long = " ".join(SENTENCES * 80)  # some 800 tokens
+    body = {"model": "minilm", "input": [SENTENCES[0], long], "prompt": "query: "}
+    response = httpx.post(f"{server.url}/openai/v1/embeddings", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    got = np.array([item["embedding"] for item in response.json()["data"]])
+    want = st.encode([SENTENCES[0], long], prompt="query: ")
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.9999
+    refused = httpx.post(
+        f"{server.url}/openai/v1/embeddings",
+        json={"model": "minilm", "input": [long], "truncate": False},
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    assert "more than the maximum of 256" in refused.json()["error"]["message"]
