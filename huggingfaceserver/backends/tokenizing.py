@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
@@ -111,6 +111,35 @@ def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> 
             raise BadRequest(f"input {index} has token ids outside the vocabulary (0..{vocab - 1})")
 
 
+class SentenceSettings(NamedTuple):
+    """What a folder's sentence-transformers configuration sets for a backend that tokenizes."""
+
+    max_length: int
+    """``--max_length``, else sentence-transformers' ``max_seq_length``, else the tokenizer's."""
+    prompts: Prompts
+    similarity: str
+
+    @classmethod
+    def adopt(
+        cls,
+        source: ModelSource,
+        config: ServerConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        limits: PretrainedConfig | EncoderFacts,
+    ) -> SentenceSettings:
+        """The settings, ``tokenizer`` made to lower-case texts where sentence-transformers
+        does (``do_lower_case``, unless ``--disable_lower_case``)."""
+        sentence = source.sentence
+        if sentence is not None and sentence.do_lower_case and not config.disable_lower_case:
+            lower_case_texts(tokenizer)  # as sentence-transformers 6 does
+        declared = sentence.max_seq_length if sentence is not None else None
+        return cls(
+            resolve_max_length(config.max_length, tokenizer, limits, declared),
+            Prompts.of(sentence, config.default_prompt_name, config.default_prompt),
+            sentence.similarity if sentence is not None else "cosine",
+        )
+
+
 def results_by_kind(
     task: EncoderTask, raw: torch.Tensor, batch: BatchEncoding, kinds: list[str]
 ) -> list[Any]:
@@ -146,20 +175,14 @@ class TokenizingEncoder(EncoderBackend):
                 "the tokenizer has no padding token, needed to encode several texts at once"
             )
         sentence = self.source.sentence
-        if sentence is not None and sentence.do_lower_case and not self.config.disable_lower_case:
-            lower_case_texts(tokenizer)  # as sentence-transformers 6 does
+        settings = SentenceSettings.adopt(self.source, self.config, tokenizer, facts)
+        self.max_length, self.prompts, self.similarity = settings
         self.tokenizer = tokenizer
         self.task: EncoderTask = self.task_class(
             tokenizer, self.source, EncoderOptions.from_config(self.config), facts.labels
         )
         if self.task.needs_offsets and not tokenizer.is_fast:
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
-        declared = sentence.max_seq_length if sentence is not None else None
-        self.max_length = resolve_max_length(self.config.max_length, tokenizer, facts, declared)
-        self.prompts = Prompts.of(
-            sentence, self.config.default_prompt_name, self.config.default_prompt
-        )
-        self.similarity = sentence.similarity if sentence is not None else "cosine"
         self.inputs = InputEncoder(
             tokenizer,
             self.max_length,
@@ -300,21 +323,13 @@ class TokenizingEncoder(EncoderBackend):
         params: EncodeParams = DEFAULT_PARAMS,
         output: Output = Output.task,
     ) -> tuple[list[Any], list[int]]:
-        """Text pairs through a sequence classifier (a cross-encoder); they share forward
-        passes with every other request."""
+        """Text pairs through a sequence classifier (a cross-encoder)."""
         if self.task.task is not Task.sequence_classification:
             raise BadRequest(
                 f"text pairs are read by sequence classifiers; this is a {self.task.task.value} "
                 "model"
             )
-        self.task.check_output(output)
-        if params.asks_prompt:
-            raise BadRequest("prompts apply to single texts, not to pairs")
-        truncation = self.truncation(params)
-        with self.preparing():
-            counts, rows = await self.off_loop(self.prepare_pair_rows, pairs, truncation, False)
-            results = self.submit_rows(rows, output.value)
-        return await results, counts
+        return await self.run_pairs(pairs, params, output, one_query=False)
 
     async def score_pairs(
         self,
@@ -324,19 +339,31 @@ class TokenizingEncoder(EncoderBackend):
         raw: bool = False,
     ) -> tuple[list[float], int]:
         """A cross-encoder's relevance of each document to the query (its activation applied,
-        or its logit with ``raw``); the pairs share forward passes with every other request."""
+        or its logit with ``raw``)."""
         if self.task.task is not Task.sequence_classification or self.facts.num_labels != 1:
             raise BadRequest("relevance scores need a cross-encoder (one-label classifier)")
+        pairs = [(query, document) for document in documents]
+        output = Output.logits if raw else Output.scores
+        scores, counts = await self.run_pairs(pairs, params, output, one_query=True)
+        return [score[0] if raw else score for score in scores], sum(counts)
+
+    async def run_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        params: EncodeParams,
+        output: Output,
+        one_query: bool,
+    ) -> tuple[list[Any], list[int]]:
+        """Pairs tokenized off the loop, then run in batches shared with every other request
+        (``one_query``: one first text, named "the query" in refusals)."""
+        self.task.check_output(output)
         if params.asks_prompt:
             raise BadRequest("prompts apply to single texts, not to pairs")
         truncation = self.truncation(params)
-        pairs = [(query, document) for document in documents]
-        output = Output.logits if raw else Output.scores
         with self.preparing():
-            counts, rows = await self.off_loop(self.prepare_pair_rows, pairs, truncation, True)
+            counts, rows = await self.off_loop(self.prepare_pair_rows, pairs, truncation, one_query)
             results = self.submit_rows(rows, output.value)
-        scores = await results
-        return [score[0] if raw else score for score in scores], sum(counts)
+        return await results, counts
 
     def preparing(self) -> AbstractContextManager[None]:
         """Around a request's preparation and submission: a batch about to run may wait

@@ -54,16 +54,15 @@ OPEN_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/health", "
 """Health and metrics (``GET``): never behind the key, never refused, never counted."""
 OPEN_METHODS = frozenset({"GET", "HEAD"})
 
-
-def is_open(scope: Scope) -> bool:
-    """Health and metrics; ``POST /`` is a model route (text-embeddings-inference's)."""
-    return scope["path"] in OPEN_PATHS and scope["method"] in OPEN_METHODS
-
-
 NO_DEADLINE_PATH = "/v2/repository/"
 RETRY_AFTER_S = 1
 MAX_REQUEST_ID_CHARS = 128
 CLIENT_CLOSED = 499  # nginx's status for a client that left; nobody reads it
+
+
+def is_open(scope: Scope) -> bool:
+    """Health and metrics; ``POST /`` is a model route (text-embeddings-inference's)."""
+    return scope["path"] in OPEN_PATHS and scope["method"] in OPEN_METHODS
 
 
 @dataclass(frozen=True)

@@ -143,13 +143,12 @@ class SentenceHead:
                 x = run(x)
         return x
 
-    def check(self, hidden_size: int, device: torch.device) -> int:
+    def check(self, hidden_size: int, device: torch.device) -> None:
         """Run a batch of zeros through: a module whose sizes do not fit is a startup error,
-        not a failure of every request. Returns the vectors' dimension."""
+        not a failure of every request."""
         hidden = torch.zeros(1, 2, hidden_size, device=device)
         try:
-            mask = torch.ones(1, 2, dtype=torch.int64, device=device)
-            return int(self.vectors(hidden, mask).shape[-1])
+            self.vectors(hidden, torch.ones(1, 2, dtype=torch.int64, device=device))
         except RuntimeError as exc:
             raise StartupError(
                 f"the sentence-transformers modules do not fit the model's hidden size "

@@ -1,5 +1,6 @@
-"""sentence-transformers' similarity functions (``similarity_fn_name``), on NumPy: how an
-embedding model compares a query's vector with documents' (higher is more similar)."""
+"""Embedding vectors on NumPy: sentence-transformers' similarity functions
+(``similarity_fn_name``: how an embedding model compares a query's vector with documents',
+higher is more similar), L2 normalisation and Matryoshka truncation (``dimensions``)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,30 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..errors import BadRequest
+
 Vectors = Sequence[Sequence[float]] | np.ndarray
+MIN_NORM = 1e-12
+"""torch's ``F.normalize`` floor: a zero vector stays zero."""
 
 
-def _unit(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
+def unit(vectors: Vectors) -> np.ndarray:
+    """Each vector (the last axis) L2-normalised."""
+    array = np.asarray(vectors, dtype=np.float64)
+    return array / np.maximum(np.linalg.norm(array, axis=-1, keepdims=True), MIN_NORM)
+
+
+def first_dimensions(vectors: Vectors, dimensions: int) -> np.ndarray:
+    """The first ``dimensions`` values of each vector (a 400 beyond the model's)."""
+    array = np.asarray(vectors, dtype=np.float64)
+    width = array.shape[-1] if array.size else 0
+    if dimensions > width:
+        raise BadRequest(f"dimensions {dimensions} exceeds the model's {width} dimensions")
+    return array[..., :dimensions]
 
 
 def cosine(query: np.ndarray, documents: np.ndarray) -> np.ndarray:
-    return _unit(documents) @ _unit(query)
+    return unit(documents) @ unit(query)
 
 
 def dot(query: np.ndarray, documents: np.ndarray) -> np.ndarray:

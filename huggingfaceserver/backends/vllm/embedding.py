@@ -11,8 +11,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ...cli import ServerConfig
 from ...encoders import EncoderOptions
 from ...encoders.embedding import TextEmbedding
@@ -20,12 +18,11 @@ from ...encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ...errors import BadRequest, StartupError
 from ...loading import ModelSource, load_tokenizer
 from ...sentence.config import pooling_modes
-from ...sentence.prompts import Prompts
-from ...sentence.tokenizer import lower_case_texts
+from ...sentence.similarity import unit
 from ...tasks import Task
 from ..base import EncoderBackend, EncoderInputs, ModelInfo
 from ..encoding import InputEncoder
-from ..tokenizing import check_token_inputs, resolve_max_length
+from ..tokenizing import SentenceSettings, check_token_inputs
 from ..truncation import Truncation, asked_truncation
 from . import compat
 from .engine import EngineHolder
@@ -58,18 +55,12 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
                 "the vLLM backend pools prompts with the text; this model leaves them out "
                 "(include_prompt: false): use --backend huggingface or onnx"
             )
-        if sentence is not None and sentence.do_lower_case and not self.config.disable_lower_case:
-            lower_case_texts(self.tokenizer)
+        settings = SentenceSettings.adopt(
+            self.source, self.config, self.tokenizer, self.source.config
+        )
+        self.max_length, self.prompts, self.similarity = settings
         options = EncoderOptions.from_config(self.config)
         self.task = TextEmbedding(self.tokenizer, self.source, options)
-        declared = sentence.max_seq_length if sentence is not None else None
-        self.max_length = resolve_max_length(
-            self.config.max_length, self.tokenizer, self.source.config, declared
-        )
-        self.prompts = Prompts.of(
-            sentence, self.config.default_prompt_name, self.config.default_prompt
-        )
-        self.similarity = sentence.similarity if sentence is not None else "cosine"
         self.encoder = InputEncoder(
             self.tokenizer,
             self.max_length,
@@ -128,9 +119,7 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         ids_lists = await asyncio.to_thread(self.token_ids, inputs, params)
         vectors = list(await asyncio.gather(*(self._embed(ids) for ids in ids_lists)))
         if output is Output.normalized:
-            array = np.asarray(vectors, dtype=np.float64)
-            norms = np.linalg.norm(array, axis=1, keepdims=True)
-            vectors = (array / np.maximum(norms, 1e-12)).tolist()
+            vectors = unit(vectors).tolist()
         return vectors, [len(ids) for ids in ids_lists]
 
     async def infer_pairs(

@@ -6,6 +6,7 @@ import numpy as np
 
 from ...backends.base import EncoderBackend
 from ...errors import BadRequest
+from ...sentence.similarity import first_dimensions, unit
 from ...tasks import Task
 from ..limits import check_input_count
 from ..relevance import relevance
@@ -23,11 +24,7 @@ def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[flo
     """OpenAI's ``dimensions``: keep the first ones, then re-normalise."""
     if dimensions is None:
         return vectors
-    width = len(vectors[0]) if vectors else 0
-    if dimensions > width:
-        raise BadRequest(f"dimensions {dimensions} exceeds the model's {width} dimensions")
-    kept = np.asarray(vectors, dtype=np.float64)[:, :dimensions]
-    return kept / np.maximum(np.linalg.norm(kept, axis=1, keepdims=True), 1e-12)
+    return unit(first_dimensions(vectors, dimensions))
 
 
 async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> EmbeddingResponse:

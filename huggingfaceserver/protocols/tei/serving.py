@@ -18,6 +18,7 @@ from ... import __version__
 from ...backends.base import EncoderBackend
 from ...encoders.params import EncodeParams, Output
 from ...errors import BadRequest
+from ...sentence.similarity import first_dimensions, unit
 from ...tasks import Task
 from ..kserve_model import EncoderModel
 from ..limits import check_input_count
@@ -48,11 +49,6 @@ def needs(model: EncoderModel, route: str, *tasks: Task) -> None:
         raise BadRequest(f"{route} needs a {names} model; this is a {model.task.value} model")
 
 
-def l2_normalized(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
-
-
 async def embed(models: ServedModels, request: EmbedRequest) -> list[list[float]]:
     """Pooled embeddings; ``normalize`` (TEI's default) L2-normalises them, ``dimensions`` keeps
     the first values (normalised after)."""
@@ -60,18 +56,13 @@ async def embed(models: ServedModels, request: EmbedRequest) -> list[list[float]
     needs(model, "/embed", Task.text_embedding)
     inputs = request.texts()
     check_input_count(len(inputs), model.max_inputs_per_request)
-    cut = request.dimensions is not None
+    cut = request.dimensions is not None  # normalised after the cut, as TEI does
     output = Output.normalized if request.normalize and not cut else Output.unnormalized
     vectors, _ = await backend.infer_counted(inputs, request.encode_params(), output)
-    if not cut:
+    if request.dimensions is None:
         return vectors
-    array = np.asarray(vectors, dtype=np.float64)
-    if request.dimensions is not None and request.dimensions > array.shape[1]:
-        raise BadRequest(
-            f"dimensions {request.dimensions} exceeds the model's {array.shape[1]} dimensions"
-        )
-    array = array[:, : request.dimensions]
-    return (l2_normalized(array) if request.normalize else array).tolist()
+    kept = first_dimensions(vectors, request.dimensions)
+    return (unit(kept) if request.normalize else kept).tolist()
 
 
 async def embed_sparse(
