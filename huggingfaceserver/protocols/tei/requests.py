@@ -125,7 +125,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    inputs: str | list[str]
+    inputs: str | Annotated[list[str], Field(min_length=1)]
     add_special_tokens: Annotated[bool, Strict()] = True
     prompt_name: str | None = None
 
@@ -138,7 +138,7 @@ class DecodeRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    ids: list[TokenId] | list[list[TokenId]]
+    ids: Annotated[list[TokenId] | list[list[TokenId]], Field(min_length=1)]
     skip_special_tokens: Annotated[bool, Strict()] = True
 
     def id_lists(self) -> list[list[int]]:

@@ -211,6 +211,8 @@ async def test_info_and_health(dense, nli):
         ("/embed_sparse", {"inputs": "a"}, "/embed_sparse needs a sparse_embedding model"),
         ("/predict", {"inputs": "a"}, "/predict needs a sequence_classification model"),
         ("/rerank", {"query": "q", "texts": []}, "texts"),
+        ("/tokenize", {"inputs": []}, "inputs"),
+        ("/decode", {"ids": []}, "ids"),
         ("/embed", {"inputs": "a", "truncate": "yes"}, "truncate"),
     ],
 )
