@@ -5,8 +5,10 @@ first served, while the running rows stay within ``max_rows``): the prompts of t
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; a request that scores its prompt runs alone), then their rows
 join the running batch.
-Every step then feeds all running rows at once; each row samples with its own settings and
-generator, and each request receives its own rows' deltas. Finished rows and rows of requests
+Every step then feeds all running rows at once (each row's last token, kept on the device);
+the rows' :class:`~..generation.sampling_batch.SamplingBatch` (made when the rows change)
+chooses every row's next token with its own settings in one pass, copying to the host once,
+and each request receives its own rows' deltas. Finished rows and rows of requests
 whose consumer left drop out after the step.
 
 The failure domain is one request. A failing prefill fails its own request (a group's prompts
@@ -34,6 +36,7 @@ from ..cli import ServerConfig
 from ..errors import NotReady, ServerError
 from ..generation.logits import prompt_token_logprobs
 from ..generation.params import ChoiceDelta, TokenLogprob
+from ..generation.sampling_batch import SamplingBatch
 from ..generation.sequence import SequenceState, advance
 from ..observability.metrics import DecodeLoopMetrics, Timeline
 from .decode_batch import DecodeBatch
@@ -78,6 +81,21 @@ class Running:
     batch: DecodeBatch
     rows: list[SequenceState]
     owners: list[Request]
+    sampler: SamplingBatch | None = None
+    """The sampling side of the rows, remade when they change (see :meth:`sampling`)."""
+
+    def sampling(self, logits: torch.Tensor) -> SamplingBatch:
+        """The rows' sampling batch: the one of the last step while the rows are the same."""
+        self.sampler = SamplingBatch.for_rows(self.rows, logits, self.sampler)
+        return self.sampler
+
+    def inputs(self) -> torch.Tensor | list[int]:
+        """Each row's latest token: on the device where the last step left them for these
+        rows, else from the rows."""
+        sampler = self.sampler
+        if sampler is not None and sampler.tokens is not None and sampler.serves(self.rows):
+            return sampler.tokens
+        return [row.output_ids[-1] for row in self.rows]
 
 
 class ContinuousBatcher:
@@ -251,7 +269,7 @@ class ContinuousBatcher:
         rows apart (:meth:`_retry_apart`); anything else that fails ends the batch's
         requests."""
         try:
-            logits = group.batch.step([row.output_ids[-1] for row in group.rows])
+            logits = group.batch.step(group.inputs())
         except Exception as exc:
             self._retry_apart(group, exc)
             return
@@ -283,7 +301,12 @@ class ContinuousBatcher:
             positions = [i for i, o in enumerate(group.owners) if o is owner]
             moved = group.batch.split(positions)
             parts.append(
-                Running(moved, [group.rows[i] for i in positions], [owner] * len(positions))
+                Running(
+                    moved,
+                    [group.rows[i] for i in positions],
+                    [owner] * len(positions),
+                    group.sampler,
+                )
             )
             kept = [i for i, o in enumerate(group.owners) if o is not owner]
             group.rows = [group.rows[i] for i in kept]
@@ -305,7 +328,9 @@ class ContinuousBatcher:
         cancelled."""
         deltas: dict[Request, list[ChoiceDelta]] = {}
         failed: dict[Request, Exception] = {}
-        for owner, outcome in zip(group.owners, advance(group.rows, logits), strict=True):
+        for owner, outcome in zip(
+            group.owners, advance(group.rows, logits, group.sampling(logits)), strict=True
+        ):
             if isinstance(outcome, Exception):
                 failed.setdefault(owner, outcome)
                 continue

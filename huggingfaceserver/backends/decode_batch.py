@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,12 @@ class DecodeBatch(ABC):
 
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _column(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """A step's input ``[rows, 1]``: one token per row, from the device or from a list."""
+        if isinstance(tokens, torch.Tensor):
+            return tokens.to(self.device).view(-1, 1)
+        return self._ids([[token] for token in tokens])
 
     @abstractmethod
     def prefill(
@@ -60,8 +67,9 @@ class DecodeBatch(ABC):
         raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
 
     @abstractmethod
-    def step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed each row its latest token; the next-token logits ``[rows, V]``."""
+    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Feed each row its latest token (``[rows]`` on the device, or a list); the next-token
+        logits ``[rows, V]``."""
 
     @abstractmethod
     def keep(self, rows: list[int]) -> None:
@@ -184,11 +192,9 @@ class CausalLMBatch(DecodeBatch):
         self.positions = lengths
         return logits
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         mask = F.pad(self.mask, [0, 1], value=1)
-        logits = self._forward(
-            self._ids([[token] for token in tokens]), self.positions[:, None], mask
-        )
+        logits = self._forward(self._column(tokens), self.positions[:, None], mask)
         self.mask = mask
         self.positions = self.positions + 1
         return logits[:, -1]
@@ -236,11 +242,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def mask(self, value: torch.Tensor) -> None:
         pass  # the cache's own, set through reserve
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         mask = self.cache.reserve(1)
-        logits = self._forward(
-            self._ids([[token] for token in tokens]), self.positions[:, None], mask
-        )
+        logits = self._forward(self._column(tokens), self.positions[:, None], mask)
         self.positions = self.positions + 1
         return logits[:, -1]
 
@@ -291,10 +295,10 @@ class Seq2SeqBatch(DecodeBatch):
         self.encoded = hidden.repeat(rows, 1, 1)
         return self.step([self.decoder_start_token_id] * rows), None
 
-    def step(self, tokens: list[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         output = self.model(
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
-            decoder_input_ids=self._ids([[token] for token in tokens]),
+            decoder_input_ids=self._column(tokens),
             use_cache=True,
             **{self.cache_argument: self.cache},
         )

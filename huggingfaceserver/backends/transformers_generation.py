@@ -207,13 +207,12 @@ class TransformersGenerator(GenerationBackend):
         ]
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.greedy:
+        """A seeded row's own generator; None for the others (unseeded rows draw from the
+        process's sampling generator, never torch's global RNG)."""
+        if params.greedy or params.seed is None:
             return None
         generator = torch.Generator(device=self.device)
-        if params.seed is None:
-            generator.seed()  # from the OS, not from the global RNG
-        else:
-            generator.manual_seed((params.seed + index) % 2**64)  # torch takes 64 bits
+        generator.manual_seed((params.seed + index) % 2**64)  # torch takes 64 bits
         return generator
 
     def new_batch(self) -> DecodeBatch:

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .constraints import GrammarMatcher
-from .logits import choose_next_tokens
 from .params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
-from .penalties import PenaltyCounts
+from .sampling_batch import SamplingBatch
 from .text import ChoiceText
 
 
@@ -30,6 +29,8 @@ class SequenceState:
     budget: int
     """New tokens at most: max_tokens, capped by the context length."""
     generator: torch.Generator | None
+    """The row's own generator when its request has a seed; None otherwise (greedy rows, and
+    unseeded ones, which draw from the process's sampling generator)."""
     text: ChoiceText | None
     """None when the text is made elsewhere (a front process): deltas then carry tokens only,
     with the finish reasons the tokens decide."""
@@ -40,9 +41,6 @@ class SequenceState:
     the row leaves the batch after the current step."""
     matcher: GrammarMatcher | None = None
     """Structured output: the grammar the row's tokens must follow (None: unconstrained)."""
-    penalties: PenaltyCounts | None = None
-    """The row's tokens as its penalties see them, kept up to date token by token; made on
-    the row's first step, and only when its params ask for a penalty."""
 
     def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Take the next token; the delta it makes, with the finish reason when it ends.
@@ -67,13 +65,16 @@ class SequenceState:
         return ChoiceDelta(self.index, text, [token_id], logprobs, self.finish_reason)
 
 
-def advance(rows: list[SequenceState], logits: torch.Tensor) -> list[ChoiceDelta | Exception]:
-    """Choose each row's next token from its logits ``[rows, vocab]``: per row, its delta, or
-    the exception that failed that row (its settings, logits, grammar or text; see
-    :class:`~.logits.NextTokens`). Nothing a row does raises here, and the other rows' tokens
-    are those they would have had without the failed ones; only a batch-level mistake (logits
-    for another number of rows) raises."""
-    tokens, logprobs, failures = choose_next_tokens(logits, rows)
+def advance(
+    rows: list[SequenceState], logits: torch.Tensor, sampler: SamplingBatch
+) -> list[ChoiceDelta | Exception]:
+    """Choose each row's next token from its logits ``[rows, vocab]`` with ``sampler`` (the
+    rows' :class:`~.sampling_batch.SamplingBatch`): per row, its delta, or the exception that
+    failed that row (its settings, logits, grammar or text; see
+    :class:`~.sampling_batch.NextTokens`). Nothing a row does raises here, and the other rows'
+    tokens are those they would have had without the failed ones; only a batch-level mistake
+    (logits for another number of rows) raises."""
+    tokens, logprobs, failures = sampler.choose(logits)
     outcomes: list[ChoiceDelta | Exception] = []
     for index, (row, token) in enumerate(zip(rows, tokens, strict=True)):
         if token is None:

@@ -18,6 +18,7 @@ from huggingfaceserver.generation.params import (
     FinishReason,
     SamplingParams,
 )
+from huggingfaceserver.generation.sampling_batch import SamplingBatch
 from huggingfaceserver.generation.sequence import SequenceState, advance
 from huggingfaceserver.generation.text import ChoiceText
 
@@ -81,12 +82,15 @@ def decode(
     row's outcome at each of its steps."""
     outcomes: Outcomes = {name: [] for name in rows}
     live = dict(rows)
+    sampler = None
     for step in range(STEPS):
         names = list(live)
         if not names:
             break
         logits = torch.stack([logits_of(name, step) for name in names])
-        for name, outcome in zip(names, advance([live[n] for n in names], logits), strict=True):
+        batch = [live[n] for n in names]
+        sampler = SamplingBatch.for_rows(batch, logits, sampler)
+        for name, outcome in zip(names, advance(batch, logits, sampler), strict=True):
             outcomes[name].append(outcome)
             if isinstance(outcome, Exception) or live[name].finish_reason is not None:
                 del live[name]
