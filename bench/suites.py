@@ -175,6 +175,12 @@ def _long_output(context: Context) -> Outcome:
     return long_output.measure(context.models.long_llama, context.settings, context.log_dir)
 
 
+def _decode_host(context: Context) -> Outcome:
+    from . import decode_host
+
+    return decode_host.measure(context.models.long_llama, context.settings, context.log_dir)
+
+
 def _resilience(context: Context) -> Outcome:
     from . import resilience
 
@@ -215,6 +221,7 @@ SUITES = (
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),
     Suite("long_output", "cpu", _long_output),
+    Suite("decode_host", "cpu", _decode_host),
     Suite("resilience", "cpu", _resilience),
     Suite("soak", "cpu", _soak),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),

@@ -26,6 +26,7 @@ from huggingfaceserver.backends.transformers_generation import TransformersGener
 from huggingfaceserver.errors import NotReady
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.generation.sequence import SequenceState
+from huggingfaceserver.observability.syncs import SyncCounter
 
 from .generation_helpers import (
     PROMPTS,
@@ -387,3 +388,39 @@ async def test_after_shutdown_requests_are_refused(tiny_models: dict[str, Path])
     with pytest.raises(NotReady):
         await run(backend, prompt(backend), GREEDY)
     assert torch.is_grad_enabled()
+
+
+async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
+    """Rows of every kind admitted together: one host synchronisation per forward (the step's
+    tokens and logprobs), counted on the decode thread (1 on a GPU as on this CPU)."""
+    backend = backends("llama")
+    ids = [prompt(backend, text) for text in PROMPTS]
+    kinds = [
+        GREEDY,
+        replace(GREEDY, logprobs=2, repetition_penalty=1.2),
+        SamplingParams(seed=7, top_k=20, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, max_tokens=16, ignore_eos=True),
+        SamplingParams(frequency_penalty=0.5, logit_bias={5: 3.0}, max_tokens=16, ignore_eos=True),
+    ]
+    finished = threading.Semaphore(0)
+
+    def emit(item) -> None:
+        if item is None or isinstance(item, BaseException):
+            assert item is None
+            finished.release()
+
+    requests = [
+        LoopRequest(backend.new_sequences(ids[i % len(ids)], params), emit)
+        for i, params in enumerate(kinds * 2)
+    ]
+    counter = SyncCounter()
+    batcher = backend.batcher
+    batcher.run_on_loop(counter.__enter__)  # the modes are the decode thread's
+    with forward_batch_sizes(backend) as sizes:
+        batcher.run_on_loop(lambda: [batcher.submit(request) for request in requests])
+        for _ in requests:
+            await asyncio.to_thread(finished.acquire)
+    batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
+    assert max(sizes) == len(requests)
+    assert len(sizes) >= GREEDY.max_tokens  # type: ignore[operator]
+    assert counter.total == len(sizes), counter.counts

@@ -1,0 +1,376 @@
+"""The host's cost of a decode step, on a model whose forward costs almost nothing: the CPU
+figures that stand for the GPU's (where every host operation and every wait for the device is
+paid in full each step), measurable on any machine.
+
+The model is :func:`bench.models.build_long_llama` (hidden 64, 2 layers). Three measurements:
+
+- **In the benchmark process**, the server's generation backend loaded as the server loads it:
+  ``rows`` requests of :data:`TOKENS` sampled tokens (temperature 1, unseeded, token ids only,
+  as the engine process decodes them) admitted together into its decode loop. The loop's
+  thread CPU per forward, minus the forward's own (model forward hooks, thread CPU time): the
+  **host CPU per decode step**; and the **host synchronisations per step**, counted on the
+  decode thread by :class:`~huggingfaceserver.observability.syncs.SyncCounter` (each read of
+  the device's values, as it would wait on a GPU). Against transformers' ``generate`` on the
+  same prompts at the same batch (sampling, left-padded), measured the same way, in turn.
+- **The engine process**, a server with ``--api_workers 2`` (two fronts make the text): 32
+  streamed completions of :data:`TOKENS` tokens together, then one; the engine process's CPU
+  (``/proc``) per decode step of 32 rows (its CPU per generated token, times 32) against
+  ``generate``'s CPU per step at batch 32, in the benchmark process.
+
+Torch runs on one intra-op thread in the benchmark process (what the server's calibration keeps
+for this model on a small CPU); the server calibrates its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from transformers import AutoTokenizer
+
+from huggingfaceserver.backends.continuous_batching import Request
+from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.cli import parse_args
+from huggingfaceserver.generation.params import SamplingParams
+from huggingfaceserver.loading import load_source
+from huggingfaceserver.observability.syncs import SyncCounter
+
+from . import process_memory, routes, server, texts
+from .stats import Spread
+from .targets import Target
+from .workloads import Settings
+
+logger = logging.getLogger(__name__)
+
+KEY = "decode_host"
+MODEL_NAME = "llm"
+TOKENS = 128
+ROWS = (1, 32)
+STREAMS = 32
+SYNCS_PER_STEP = 1.0
+"""Host synchronisations per decode step, at every row count."""
+ENGINE_CPU_FACTOR = 1.5
+"""The engine process's CPU per decode step at 32 streams: at most this many times
+``generate``'s CPU per step at batch 32."""
+ISSUE_FIGURES = "14.5 ms against 4.5 ms (3.2x) at 32; 2.3 against 1.1 ms at 1 (2026-11-27)"
+
+
+@dataclass(frozen=True)
+class LoopRun:
+    """One run of ``rows`` rows through a decode loop (the server's or ``generate``)."""
+
+    forwards: int
+    cpu_s: float
+    """The decoding thread's CPU."""
+    forward_cpu_s: float
+    """Of which inside the model's forwards."""
+    syncs: int = 0
+
+    @property
+    def cpu_per_step_ms(self) -> float:
+        return 1000 * self.cpu_s / self.forwards
+
+    @property
+    def host_per_step_ms(self) -> float:
+        return 1000 * (self.cpu_s - self.forward_cpu_s) / self.forwards
+
+    @property
+    def syncs_per_step(self) -> float:
+        return self.syncs / self.forwards
+
+
+@dataclass
+class RowsRuns:
+    """Every repeat at one row count: the server's loop and ``generate``, alternated."""
+
+    rows: int
+    syncs_per_step: float = float("nan")
+    """Counted in a run of its own."""
+    server: list[LoopRun] = field(default_factory=list)
+    generate: list[LoopRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One engine-process run: ``streams`` completions together."""
+
+    streams: int
+    tokens: int
+    engine_cpu_s: float
+    fronts_cpu_s: float
+    seconds: float
+
+    @property
+    def per_step_ms(self) -> float:
+        """The engine's CPU per decode step of ``streams`` rows."""
+        return 1000 * self.engine_cpu_s * self.streams / self.tokens
+
+
+@dataclass
+class DecodeHostResult:
+    settings: Settings
+    rows: list[RowsRuns]
+    engine: list[EngineRun] = field(default_factory=list)
+    generate_32: list[LoopRun] = field(default_factory=list)
+    failure: str | None = None
+
+    def targets(self) -> list[Target]:
+        found = []
+        for runs in self.rows:
+            syncs = runs.syncs_per_step
+            found.append(
+                Target(
+                    f"{KEY}: {runs.rows} row(s), host synchronisations per decode step "
+                    f"<= {SYNCS_PER_STEP:g}",
+                    syncs <= SYNCS_PER_STEP,
+                    f"{syncs:.2f} (reads of the device's values per forward, counted)",
+                )
+            )
+        busy = [run for run in self.engine if run.streams == STREAMS]
+        if busy and self.generate_32:
+            engine = Spread.of([run.per_step_ms for run in busy])
+            plain = Spread.of([run.cpu_per_step_ms for run in self.generate_32])
+            factor = engine.median / plain.median
+            found.append(
+                Target(
+                    f"{KEY}: engine process CPU per decode step at {STREAMS} streams "
+                    f"(--api_workers 2) <= {ENGINE_CPU_FACTOR}x generate's at batch {STREAMS}",
+                    factor <= ENGINE_CPU_FACTOR,
+                    f"{factor:.2f}x: {_spread(engine)} against {_spread(plain)} ms "
+                    f"(the issue's: {ISSUE_FIGURES})",
+                )
+            )
+        elif self.failure:
+            found.append(Target(f"{KEY}: engine process run", False, self.failure))
+        return found
+
+    def section(self) -> list[str]:
+        lines = [
+            f"## Decode host cost ({KEY})",
+            "",
+            __doc__.split("\n\n", 1)[1].strip(),
+            "",
+            "| rows | loop | CPU per step ms | forward ms | host per step ms |",
+            "|---|---|---|---|---|",
+        ]
+        for runs in self.rows:
+            for label, loop in (("server", runs.server), ("`generate`", runs.generate)):
+                lines.append(
+                    f"| {runs.rows} | {label} | "
+                    f"{_spread(Spread.of([r.cpu_per_step_ms for r in loop]))} | "
+                    f"{_spread(Spread.of([1000 * r.forward_cpu_s / r.forwards for r in loop]))} | "
+                    f"{_spread(Spread.of([r.host_per_step_ms for r in loop]))} |"
+                )
+        syncs = ", ".join(f"{r.syncs_per_step:.2f} at {r.rows} row(s)" for r in self.rows)
+        lines += ["", f"Host synchronisations per decode step, counted: {syncs}."]
+        lines += ["", "Engine process (`--api_workers 2`):", ""]
+        if self.failure:
+            lines.append(f"- {self.failure}")
+        lines += [
+            "| streams | engine CPU per step of the streams' rows ms | engine CPU s | "
+            "fronts CPU s | seconds |",
+            "|---|---|---|---|---|",
+        ]
+        for streams in sorted({run.streams for run in self.engine}):
+            mine = [run for run in self.engine if run.streams == streams]
+            lines.append(
+                f"| {streams} | {_spread(Spread.of([r.per_step_ms for r in mine]))} | "
+                f"{_spread(Spread.of([r.engine_cpu_s for r in mine]))} | "
+                f"{_spread(Spread.of([r.fronts_cpu_s for r in mine]))} | "
+                f"{_spread(Spread.of([r.seconds for r in mine]))} |"
+            )
+        if self.generate_32:
+            plain = Spread.of([r.cpu_per_step_ms for r in self.generate_32])
+            lines.append(f"\n`generate` at batch {STREAMS}: {_spread(plain)} ms CPU per step.")
+        return lines
+
+
+def _spread(spread: Spread, digits: int = 2) -> str:
+    return f"{spread.median:.{digits}f} ({spread.low:.{digits}f}-{spread.high:.{digits}f})"
+
+
+@contextmanager
+def forward_cpu(model: Any) -> Iterator[list[float]]:
+    """``[forwards, CPU seconds]`` of the model's forward calls in the block (thread CPU time
+    of the thread that runs them)."""
+    totals = [0.0, 0.0]
+    started: dict[int, float] = {}
+
+    def before(*_: Any) -> None:
+        started[threading.get_ident()] = time.thread_time()
+
+    def after(*_: Any) -> None:
+        totals[0] += 1
+        totals[1] += time.thread_time() - started.pop(threading.get_ident())
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        yield totals
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def server_loop(
+    backend: TransformersGenerator, prompts: list[list[int]], count_syncs: bool = False
+) -> LoopRun:
+    """The prompts' rows through the backend's decode loop, admitted together; with
+    ``count_syncs``, its host synchronisations counted (the counter sees every torch call,
+    which costs CPU: such a run's CPU is not a figure)."""
+    finished = threading.Semaphore(0)
+
+    def emit(item: object) -> None:
+        if item is None or isinstance(item, BaseException):
+            if item is not None:
+                logger.error("%s: a request failed: %r", KEY, item)
+            finished.release()
+
+    params = SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True)
+    requests = [
+        Request(backend.new_sequences(ids, params, with_text=False), emit) for ids in prompts
+    ]
+    batcher = backend.batcher
+    counter = SyncCounter(backend.device)
+    with forward_cpu(backend.model) as forwards:
+        if count_syncs:
+            batcher.run_on_loop(counter.__enter__)
+        start = batcher.run_on_loop(time.thread_time)
+        batcher.run_on_loop(lambda: [batcher.submit(request) for request in requests])
+        for _ in requests:
+            finished.acquire()
+        cpu = batcher.run_on_loop(time.thread_time) - start
+        if count_syncs:
+            batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
+    return LoopRun(int(forwards[0]), cpu, forwards[1], counter.total)
+
+
+def plain_generate(model: Any, tokenizer: Any, prompts: list[str]) -> LoopRun:
+    """``generate`` of the prompts (sampling, left-padded) on this thread."""
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    with forward_cpu(model) as forwards, torch.inference_mode():
+        start = time.thread_time()
+        model.generate(
+            **batch,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=TOKENS,
+            min_new_tokens=TOKENS,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        cpu = time.thread_time() - start
+    return LoopRun(int(forwards[0]), cpu, forwards[1])
+
+
+def in_process(model_dir: Path, repeats: int) -> list[RowsRuns]:
+    """The server's decode loop and ``generate``, alternated, at each of :data:`ROWS`."""
+    config = parse_args(["--model_dir", str(model_dir), "--max_batch_size", str(max(ROWS))])
+    backend = TransformersGenerator(load_source(config), config)
+    backend.load()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    backend.batcher.run_on_loop(lambda: torch.set_num_threads(1))
+    try:
+        results = []
+        for rows in ROWS:
+            prompts = texts.cycle(texts.prompts(), rows)
+            ids = [backend.tokenizer(p).input_ids for p in prompts]
+            runs = RowsRuns(rows)
+            server_loop(backend, ids)  # warm-up: the first calls allocate
+            counted = server_loop(backend, ids, count_syncs=True)
+            runs.syncs_per_step = counted.syncs_per_step
+            plain_generate(backend.model, tokenizer, prompts)
+            for _ in range(repeats):
+                runs.server.append(server_loop(backend, ids))
+                runs.generate.append(plain_generate(backend.model, tokenizer, prompts))
+            mine, theirs = runs.server[-1], runs.generate[-1]
+            logger.info(
+                "  %s, %d rows: host per step %.2f ms (generate %.2f), syncs per step %.2f",
+                KEY, rows, mine.host_per_step_ms, theirs.host_per_step_ms, runs.syncs_per_step,
+            )  # fmt: skip
+            results.append(runs)
+        return results
+    finally:
+        torch.set_num_threads(threads)
+        backend.shutdown()
+
+
+async def _streams(url: str, prompts: list[str]) -> int:
+    """The prompts' streamed completions together; their tokens."""
+    body = {"temperature": 1.0, "ignore_eos": True}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        traces = await asyncio.gather(
+            *(
+                routes.traced_completion_stream(
+                    session,
+                    f"{url}/openai/v1/completions",
+                    routes.completion_body(MODEL_NAME, prompt, TOKENS, body),
+                )
+                for prompt in prompts
+            )
+        )
+    errors = [trace.error for trace in traces if trace.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} streams failed: {errors[0]}")
+    return sum(trace.usage_tokens or 0 for trace in traces)
+
+
+def engine_pid(root: int) -> int:
+    for pid in server.family(root):
+        if process_memory.role(pid, root, process_memory.maps_torch(pid)) == "engine":
+            return pid
+    raise RuntimeError("no engine process in the server's family")
+
+
+def engine_runs(model_dir: Path, settings: Settings, log_dir: Path) -> list[EngineRun]:
+    """32 streams together, then 1, ``settings.repeats`` times, on one ``--api_workers 2``
+    server."""
+    args = ["--model_dir", str(model_dir), "--model_name", MODEL_NAME, "--backend", "huggingface"]
+    args += ["--api_workers", "2", *settings.server_args]
+    runs = []
+    with server.serving(args, log_dir / f"{KEY}.log") as running:
+        root = running.process.pid
+        engine = engine_pid(root)
+
+        def measure(streams: int) -> EngineRun:
+            prompts = texts.cycle(texts.prompts(), streams)
+            cpu = server.cpu_seconds(engine)
+            total = server.cpu_seconds(root)  # the whole family
+            start = time.perf_counter()
+            tokens = asyncio.run(_streams(running.url, prompts))
+            seconds = time.perf_counter() - start
+            engine_cpu = server.cpu_seconds(engine) - cpu
+            others = server.cpu_seconds(root) - total - engine_cpu
+            return EngineRun(streams, tokens, engine_cpu, others, seconds)
+
+        measure(STREAMS)  # warm-up
+        for _ in range(settings.repeats):
+            for streams in (STREAMS, 1):
+                run = measure(streams)
+                logger.info(
+                    "  %s, engine: %d streams, %.2f ms CPU per step", KEY, streams, run.per_step_ms
+                )
+                runs.append(run)
+    return runs
+
+
+def measure(model_dir: Path, settings: Settings, log_dir: Path) -> DecodeHostResult:
+    result = DecodeHostResult(settings, in_process(model_dir, settings.repeats))
+    try:
+        result.engine = engine_runs(model_dir, settings, log_dir)
+    except (RuntimeError, TimeoutError) as exc:
+        result.failure = f"the engine-process run failed: {str(exc).splitlines()[0][:300]}"
+    busy = next(runs for runs in result.rows if runs.rows == STREAMS)
+    result.generate_32 = busy.generate
+    return result
