@@ -244,13 +244,19 @@ def server_loop(
         if count_syncs:
             batcher.run_on_loop(counter.__enter__)
         start = batcher.run_on_loop(time.thread_time)
-        batcher.run_on_loop(lambda: [batcher.submit(request) for request in requests])
+        batcher.run_on_loop(lambda: _submit_all(batcher, requests))
         for _ in requests:
             finished.acquire()
         cpu = batcher.run_on_loop(time.thread_time) - start
         if count_syncs:
             batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
     return LoopRun(int(forwards[0]), cpu, forwards[1], counter.total)
+
+
+def _submit_all(batcher: Any, requests: list[Request]) -> None:
+    """On the decode thread: the requests are admitted at the same step."""
+    for request in requests:
+        batcher.submit(request)
 
 
 def plain_generate(model: Any, tokenizer: Any, prompts: list[str]) -> LoopRun:
