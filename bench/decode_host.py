@@ -339,13 +339,15 @@ def engine_pid(root: int) -> int:
     raise RuntimeError("no engine process in the server's family")
 
 
-def engine_runs(model_dir: Path, settings: Settings, log_dir: Path) -> list[EngineRun]:
+def engine_runs(
+    model_dir: Path, settings: Settings, log_dir: Path, source_tree: Path | None = None
+) -> list[EngineRun]:
     """32 streams together, then 1, ``settings.repeats`` times, on one ``--api_workers 2``
-    server."""
+    server (``source_tree``: the server's code from that folder, e.g. an older commit's)."""
     args = ["--model_dir", str(model_dir), "--model_name", MODEL_NAME, "--backend", "huggingface"]
     args += ["--api_workers", "2", *settings.server_args]
     runs = []
-    with server.serving(args, log_dir / f"{KEY}.log") as running:
+    with server.serving(args, log_dir / f"{KEY}.log", source_tree) as running:
         root = running.process.pid
         engine = engine_pid(root)
 
