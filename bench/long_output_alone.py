@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from huggingfaceserver.backends.decode_batch import ReservedCausalLMBatch
-from huggingfaceserver.backends.kv_cache import ReservedCache
+from huggingfaceserver.backends.pytorch.decode_batch import ReservedCausalLMBatch
+from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 
 from . import texts
 from .raw import generate_new_tokens

@@ -175,10 +175,10 @@ def _long_output(context: Context) -> Outcome:
     return long_output.measure(context.models.long_llama, context.settings, context.log_dir)
 
 
-def _decode_host(context: Context) -> Outcome:
-    from . import decode_host
+def _host_cost(context: Context) -> Outcome:
+    from . import host_cost
 
-    return decode_host.measure(context.models.long_llama, context.settings, context.log_dir)
+    return host_cost.measure(context.models, context.settings, context.log_dir)
 
 
 def _resilience(context: Context) -> Outcome:
@@ -221,7 +221,7 @@ SUITES = (
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),
     Suite("long_output", "cpu", _long_output),
-    Suite("decode_host", "cpu", _decode_host),
+    Suite("host_cost", "cpu", _host_cost),
     Suite("resilience", "cpu", _resilience),
     Suite("soak", "cpu", _soak),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),

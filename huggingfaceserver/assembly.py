@@ -24,7 +24,7 @@ def local_backend(
             from .backends.vllm.generation import VLLMGenerator  # vLLM only when it serves
 
             return VLLMGenerator(source, config, choice.kv_cache_bytes)
-        from .backends.transformers_generation import TransformersGenerator
+        from .backends.pytorch.generator import TransformersGenerator
 
         return TransformersGenerator(source, config)
     if choice.name == "vllm":
@@ -39,7 +39,7 @@ def local_backend(
         from .backends.onnx.encoder import OnnxEncoder
 
         return OnnxEncoder(source, config, fallback=choice.fallback, backend=choice.name)
-    from .backends.transformers import TransformersEncoder  # each backend only when it serves
+    from .backends.pytorch.encoder import TransformersEncoder  # each backend only when it serves
 
     return TransformersEncoder(source, config)
 

@@ -179,6 +179,12 @@ class ServerConfig:
     :data:`EXPORT_MAX_BATCH_SIZE` for an encoder on its ONNX export)."""
     batch_wait_ms: float = option(2.0, "encoders: wait to fill a batch (ms)")
     """How long a request waits for others to share its forward pass."""
+    prefill_chunk_tokens: int = option(
+        512, "generation on torch: prompt tokens a longer prompt feeds per decode step"
+    )
+    """Chunked prefill on the transformers backend: a prompt longer than this is fed in parts of
+    this many tokens, one part per turn of the decode loop, so that the rows already decoding
+    keep stepping between the parts instead of waiting for the whole prompt."""
     chat_template: str | None = option(None, "chat template: Jinja text or a file path")
     """For chat requests."""
     disable_log_requests: bool = option(False, "do not log requests")
@@ -431,7 +437,7 @@ def parse_args(
     own = {name: values.pop(name) for name in flag_fields()}
     if own["max_length"] is not None and own["max_length"] <= 0:
         parser.error("--max_length must be a positive integer")
-    for name in ("max_batch_tokens", "max_batch_size"):
+    for name in ("max_batch_tokens", "max_batch_size", "prefill_chunk_tokens"):
         if own[name] is not None and own[name] <= 0:
             parser.error(f"--{name} must be a positive integer")
     if own["batch_wait_ms"] < 0:

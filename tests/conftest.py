@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from huggingfaceserver.generation.constraints import Grammars
 from huggingfaceserver.protocols.kserve_model import EncoderModel
 from tests.harness import load_model
 from tests.tiny_models import build_all
@@ -18,6 +19,20 @@ from tests.tiny_models import build_all
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random models with locally trained tokenizers, by name (see tiny_models.py)."""
     return build_all(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models: dict[str, Path]) -> Any:
+    """The tiny Llama's tokenizer (modules that need another define their own)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer: Any) -> Grammars:
+    """The tiny Llama's grammars, for the modules that constrain rows."""
+    return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="session")

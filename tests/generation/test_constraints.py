@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from huggingfaceserver.backends.pytorch.masks import mask_disallowed, unpack_bitmask
 from huggingfaceserver.errors import BadRequest
 from huggingfaceserver.generation.constraints import GrammarMatcher, Grammars
-from huggingfaceserver.generation.masks import mask_disallowed, unpack_bitmask
 from huggingfaceserver.generation.params import Constraint
 
 NEG_INF = float("-inf")

@@ -13,7 +13,7 @@ from ...cli import EXPORT_MAX_BATCH_SIZE, ServerConfig
 from ...errors import StartupError
 from ...loading import ModelSource
 from ...observability.startup import STARTUP
-from ..transformers import TransformersEncoder
+from ..pytorch.encoder import TransformersEncoder
 from . import OnnxUnavailable
 from .export import GraphSpec
 from .session import OnnxSession

@@ -20,15 +20,15 @@ import zmq.asyncio
 
 from ...backends.base import EncoderBackend, GenerationBackend
 from ...backends.batching import Request as EncodeRequest
-from ...backends.continuous_batching import Request as GenerateRequest
+from ...backends.pytorch.decode_loop import Request as GenerateRequest
+from ...backends.pytorch.generator import TransformersGenerator
+from ...backends.pytorch.sequence import SequenceState
 from ...backends.tokenizing import TokenizingEncoder
-from ...backends.transformers_generation import TransformersGenerator
 from ...cli import ServerConfig
 from ...encoders.base import unsupported_output
 from ...encoders.params import Output
 from ...errors import BadRequest, NotReady, ServerError
 from ...generation.params import ChoiceDelta
-from ...generation.sequence import SequenceState
 from ...loading import freeze_loaded_heap, tokenizer_class_name
 from ...observability.metrics import model_loaded
 from . import STOP_SIGNAL

@@ -17,7 +17,7 @@ from huggingfaceserver.backends.onnx.store import ExportStore
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.loading import load_source
-from tests.backends.test_transformers import custom_code_model  # noqa: F401 - a fixture
+from tests.backends.pytorch.test_encoder import custom_code_model  # noqa: F401 - a fixture
 from tests.harness import client_for, load_model
 
 TEXTS = ["the capital of france is paris .", "john lives in new york"]

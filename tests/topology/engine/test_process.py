@@ -22,8 +22,8 @@ import huggingfaceserver.topology.engine.process as engine_process
 from huggingfaceserver import assembly
 from huggingfaceserver.assembly import engine_local_backend
 from huggingfaceserver.backends.base import EncoderBackend, GenerationBackend
-from huggingfaceserver.backends.continuous_batching import Request as GenerateRequest
-from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.backends.pytorch.decode_loop import Request as GenerateRequest
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import BadRequest, ServerError, StartupError
 from huggingfaceserver.generation.params import ChoiceDelta, Constraint, SamplingParams

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from huggingfaceserver.backends.transformers_generation import (
+from huggingfaceserver.backends.pytorch.generator import (
     model_context_length,
 )
 from huggingfaceserver.errors import BadRequest, StartupError

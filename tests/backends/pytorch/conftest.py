@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 
 from .generation_helpers import load
 

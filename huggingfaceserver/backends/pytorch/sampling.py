@@ -36,10 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import BadRequest
+from ...errors import BadRequest
+from ...generation.params import SamplingParams, TokenLogprob
 from .logits import SamplingRow, filter_for_sampling, holds_back_stops, why_unusable
 from .masks import mask_disallowed
-from .params import SamplingParams, TokenLogprob
 from .penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
@@ -65,7 +65,7 @@ class NextTokens(NamedTuple):
     failures: dict[int, Exception]
     """Rows that cannot go on, by row index: a :class:`BadRequest` when the request is at
     fault (its settings exclude every token, its grammar failed), a
-    :class:`~..errors.ServerError` when the model's own logits are unusable, anything
+    :class:`~...errors.ServerError` when the model's own logits are unusable, anything
     unexpected as it was raised."""
 
 

@@ -1,6 +1,6 @@
 """What choosing a row's next token needs, row-wise over a batch ``[rows, vocab]``: the
 sampling filters (temperature, top-k, top-p, min-p, each row with its own), why a row's logits
-leave nothing to choose from, and the prompt's logprobs. :mod:`.sampling_batch` runs a decode
+leave nothing to choose from, and the prompt's logprobs. :mod:`.sampling` runs a decode
 step with them; reported logprobs are the model's own: ``log_softmax`` of the raw logits.
 """
 
@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
-from ..errors import BadRequest, ServerError
-from .constraints import GrammarMatcher
-from .params import SamplingParams, TokenLogprob
+from ...errors import BadRequest, ServerError
+from ...generation.constraints import GrammarMatcher
+from ...generation.params import SamplingParams, TokenLogprob
 from .penalties import wants_penalty
 
 

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from huggingfaceserver.backends.pytorch.logits import filter_for_sampling
+from huggingfaceserver.backends.pytorch.sampling import SamplingBatch, sampling_generator
 from huggingfaceserver.errors import BadRequest, ServerError
-from huggingfaceserver.generation.logits import filter_for_sampling
 from huggingfaceserver.generation.params import SamplingParams, TokenLogprob
-from huggingfaceserver.generation.sampling_batch import SamplingBatch, sampling_generator
 from huggingfaceserver.observability.syncs import SyncCounter
 
 NEG_INF = float("-inf")

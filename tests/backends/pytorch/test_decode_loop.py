@@ -5,6 +5,8 @@ same request run alone (greedy tokens identical, logprobs within 1e-4)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -15,17 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from huggingfaceserver.backends.continuous_batching import (
+from huggingfaceserver.backends.pytorch.decode_loop import (
     PADDING_LIMIT,
     prefill_groups,
 )
-from huggingfaceserver.backends.continuous_batching import (
+from huggingfaceserver.backends.pytorch.decode_loop import (
     Request as LoopRequest,
 )
-from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.sequence import SequenceState
 from huggingfaceserver.errors import NotReady
 from huggingfaceserver.generation.params import SamplingParams
-from huggingfaceserver.generation.sequence import SequenceState
 from huggingfaceserver.observability.syncs import SyncCounter
 
 from .generation_helpers import (
@@ -424,3 +426,70 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
     assert max(sizes) == len(requests)
     assert len(sizes) >= GREEDY.max_tokens  # type: ignore[operator]
     assert counter.total == len(sizes), counter.counts
+
+
+@pytest.fixture(scope="module")
+def in_parts(tiny_models: dict[str, Path]) -> Iterator[TransformersGenerator]:
+    """The tiny Llama fed prompts in parts of 4 tokens."""
+    backend = load(tiny_models["llama"], "--prefill_chunk_tokens", "4")
+    yield backend
+    backend.shutdown()
+
+
+async def test_a_long_prompt_is_fed_in_parts_while_the_running_rows_step(in_parts) -> None:
+    """A prompt of several parts joins a running request: a decode step of the running row
+    between every two parts, and both outputs as each request's alone (and as
+    ``generate``'s)."""
+    backend = in_parts
+    short = prompt(backend, "Hello")
+    long = prompt(backend, PROMPTS[2])
+    whole, rest = divmod(len(long), 4)
+    assert len(short) <= 4 and 2 + whole + 1 < GREEDY.max_tokens  # type: ignore[operator]
+    requests: list[Request] = [(short, GREEDY), (long, replace(GREEDY, n=2))]
+    expected = await alone(backend, requests)
+    with forward_shapes(backend) as shapes:
+        together = await staggered(backend, requests)
+    assert tokens(together) == tokens(expected)
+    until_eos = reference_greedy(backend, long, GREEDY.max_tokens or 0)
+    assert together[1][0].token_ids[: len(until_eos)] == until_eos
+    assert shapes[0] == (1, len(short))  # the short prompt, whole
+    parts = [i for i, shape in enumerate(shapes) if i and shape[1] > 1]
+    assert [shapes[i] for i in parts] == [(1, 4)] * whole + ([(1, rest)] if rest else [])
+    for before, after in itertools.pairwise(parts):
+        assert after - before == 2 and shapes[before + 1] == (1, 1)  # the short row stepped
+
+
+async def test_a_request_that_leaves_during_its_parts_frees_its_rows(in_parts) -> None:
+    """The consumer leaves while the second part runs: the request ends before its other
+    parts, its rows are freed, and the loop goes on."""
+    backend = in_parts
+    long = prompt(backend, PROMPTS[2])
+    entered, release = threading.Event(), threading.Event()
+    parts = 0
+
+    def hold_second_part(_module, args, kwargs) -> None:
+        nonlocal parts
+        if kwargs["input_ids"].shape == (1, 4):
+            parts += 1
+            if parts == 2:
+                entered.set()
+                release.wait()
+
+    handle = backend.model.register_forward_pre_hook(hold_second_part, with_kwargs=True)
+    try:
+        stream = backend.generate(long, replace(GREEDY, n=2))
+        task = asyncio.create_task(anext(stream))
+        await asyncio.to_thread(entered.wait)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        release.set()
+        assert await asyncio.to_thread(wait_until_idle, backend)
+    finally:
+        release.set()
+        handle.remove()
+    assert parts == 2, "the parts after the consumer left were not fed"
+    assert not backend.batcher.prefilling and backend.batcher.running_rows == 0
+    (choice,) = await run(backend, long, GREEDY)
+    until_eos = reference_greedy(backend, long, GREEDY.max_tokens or 0)
+    assert choice.token_ids[: len(until_eos)] == until_eos

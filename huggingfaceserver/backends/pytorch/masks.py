@@ -1,6 +1,6 @@
 """A decode step's grammar masks: every constrained row's allowed tokens in one llguidance call,
-applied to the logits in place (where the model runs; :mod:`.constraints` has the grammars and
-matchers, which the processes that only check requests use too)."""
+applied to the logits in place (where the model runs; :mod:`...generation.constraints` has
+the grammars and matchers, which the processes that only check requests use too)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import llguidance.numpy
 import numpy as np
 import torch
 
-from ..errors import BadRequest
-from .constraints import GrammarMatcher
+from ...errors import BadRequest
+from ...generation.constraints import GrammarMatcher
 
 
 @functools.cache

@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from huggingfaceserver.generation.logits import filter_for_sampling
-from huggingfaceserver.generation.penalties import (
+from huggingfaceserver.backends.pytorch.logits import filter_for_sampling
+from huggingfaceserver.backends.pytorch.penalties import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
 )

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from huggingfaceserver.backends.pytorch.sampling import SamplingBatch
+from huggingfaceserver.backends.pytorch.sequence import SequenceState, advance
 from huggingfaceserver.errors import BadRequest, ServerError
 from huggingfaceserver.generation.constraints import Grammars
 from huggingfaceserver.generation.params import (
@@ -18,8 +20,6 @@ from huggingfaceserver.generation.params import (
     FinishReason,
     SamplingParams,
 )
-from huggingfaceserver.generation.sampling_batch import SamplingBatch
-from huggingfaceserver.generation.sequence import SequenceState, advance
 from huggingfaceserver.generation.text import ChoiceText
 
 STEPS = 6

@@ -1,7 +1,7 @@
 """The transformers (PyTorch) backend for generation: causal and sequence-to-sequence LMs.
 
-Requests are checked and turned into rows (:class:`~..generation.sequence.SequenceState`, one
-per choice) on the event loop; one :class:`~.continuous_batching.ContinuousBatcher` decodes the
+Requests are checked and turned into rows (:class:`~.sequence.SequenceState`, one
+per choice) on the event loop; one :class:`~.decode_loop.ContinuousBatcher` decodes the
 rows of every request in a worker thread, over the model's KV cache (:mod:`.decode_batch`);
 deltas reach each request's consumer through an asyncio queue.
 """
@@ -22,22 +22,22 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
-from ..errors import StartupError
-from ..generation.checks import check_generation_request
-from ..generation.constraints import LazyGrammars
-from ..generation.params import ChoiceDelta, SamplingParams
-from ..generation.sequence import SequenceState
-from ..generation.text import ChoiceText
-from ..loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
-from ..tasks import Task
-from .base import GenerationBackend, release_weights, unloaded
-from .continuous_batching import ContinuousBatcher, Request
+from ...cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from ...errors import StartupError
+from ...generation.checks import check_generation_request
+from ...generation.constraints import LazyGrammars
+from ...generation.params import ChoiceDelta, SamplingParams
+from ...generation.text import ChoiceText
+from ...loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
+from ...tasks import Task
+from ..base import GenerationBackend, release_weights, unloaded
+from ..loop_calls import LoopCalls
+from ..tokenizing import UNSET_MAX_LENGTH
 from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
+from .decode_loop import ContinuousBatcher, Request
 from .kv_cache import ReservedCache
-from .loop_calls import LoopCalls
-from .tokenizing import UNSET_MAX_LENGTH
-from .transformers import CALIBRATION_SHAPE, calibrate_cpu_threads
+from .sequence import SequenceState
+from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,12 @@ class TransformersGenerator(GenerationBackend):
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
         )
         """Layers of a reserved KV cache for this model; 0: transformers' own cache."""
-        self.batcher = ContinuousBatcher(self.new_batch, self.max_rows, self.config.model_name)
+        self.batcher = ContinuousBatcher(
+            self.new_batch,
+            self.max_rows,
+            self.config.model_name,
+            self.config.prefill_chunk_tokens,
+        )
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )

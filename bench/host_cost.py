@@ -1,8 +1,8 @@
-"""The host's cost of a decode step, on a model whose forward costs almost nothing: the CPU
-figures that stand for the GPU's (where every host operation and every wait for the device is
-paid in full each step), measurable on any machine.
+"""The host's cost of a decode step and of an encoder row, on models whose forward costs almost
+nothing: the CPU figures that stand for the GPU's (where every host operation and every wait
+for the device is paid in full each step), measurable on any machine.
 
-The model is :func:`bench.models.build_long_llama` (hidden 64, 2 layers). Three measurements:
+Generation, on :func:`bench.models.build_long_llama` (hidden 64, 2 layers):
 
 - **In the benchmark process**, the server's generation backend loaded as the server loads it:
   ``rows`` requests of :data:`TOKENS` sampled tokens (temperature 1, unseeded, token ids only,
@@ -17,8 +17,20 @@ The model is :func:`bench.models.build_long_llama` (hidden 64, 2 layers). Three 
   (``/proc``) per decode step of 32 rows (its CPU per generated token, times 32) against
   ``generate``'s CPU per step at batch 32, in the benchmark process.
 
+Encoders, on :func:`bench.models.build_overhead_encoder` (a BERT classifier, hidden 32, 2
+layers):
+
+- **In the benchmark process**, the torch backend (``--backend huggingface``) loaded as the
+  server loads it: :data:`ENCODER_ROWS` single-text requests, tokenized before (as a front
+  tokenizes them), submitted at once to its batcher as the engine submits them. The batcher
+  thread's CPU per row, minus the forward's own: the **host CPU per encoder row** (merging the
+  rows, the forward's inputs, the results, settling each request).
+- **The engine process** of a ``--api_workers 2`` server, on its default runtime (ONNX Runtime)
+  and on torch: its CPU per row under single-text V1 ``:predict`` requests at concurrency
+  :data:`ENCODER_CONCURRENCY` (the lean load generator of :mod:`bench.fastload`).
+
 Torch runs on one intra-op thread in the benchmark process (what the server's calibration keeps
-for this model on a small CPU); the server calibrates its own.
+for these models on a small CPU); the server calibrates its own.
 """
 
 from __future__ import annotations
@@ -37,8 +49,8 @@ import aiohttp
 import torch
 from transformers import AutoTokenizer
 
-from huggingfaceserver.backends.continuous_batching import Request
-from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.backends.pytorch.decode_loop import Request
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.loading import load_source
@@ -51,7 +63,7 @@ from .workloads import Settings
 
 logger = logging.getLogger(__name__)
 
-KEY = "decode_host"
+KEY = "host_cost"
 MODEL_NAME = "llm"
 TOKENS = 128
 ROWS = (1, 32)
@@ -62,6 +74,10 @@ ENGINE_CPU_FACTOR = 1.5
 """The engine process's CPU per decode step at 32 streams: at most this many times
 ``generate``'s CPU per step at batch 32."""
 ISSUE_FIGURES = "14.5 ms against 4.5 ms (3.2x) at 32; 2.3 against 1.1 ms at 1 (2026-11-27)"
+ENCODER_ROWS = 512
+ENCODER_CONCURRENCY = 64
+ENCODER_MODEL_NAME = "overhead"
+ENCODER_RUNTIMES = {"ONNX Runtime (default)": (), "torch": ("--backend", "huggingface")}
 
 
 @dataclass(frozen=True)
@@ -116,12 +132,16 @@ class EngineRun:
 
 
 @dataclass
-class DecodeHostResult:
+class HostCostResult:
     settings: Settings
     rows: list[RowsRuns]
     engine: list[EngineRun] = field(default_factory=list)
     generate_32: list[LoopRun] = field(default_factory=list)
     failure: str | None = None
+    encoder: list[LoopRun] = field(default_factory=list)
+    """In-process encoder runs: ``forwards`` counts rows here (see :func:`encoder_rows`)."""
+    encoder_engine: list[EncoderEngineRun] = field(default_factory=list)
+    encoder_failure: str | None = None
 
     def targets(self) -> list[Target]:
         found = []
@@ -191,7 +211,59 @@ class DecodeHostResult:
         if self.generate_32:
             plain = Spread.of([r.cpu_per_step_ms for r in self.generate_32])
             lines.append(f"\n`generate` at batch {STREAMS}: {_spread(plain)} ms CPU per step.")
+        lines += [
+            "",
+            f"Encoder rows ({ENCODER_ROWS} single-text requests at once, in-process, torch):",
+            "",
+        ]
+        if self.encoder:
+            cpu = Spread.of([1000 * r.cpu_s / r.forwards for r in self.encoder])
+            forward = Spread.of([1000 * r.forward_cpu_s / r.forwards for r in self.encoder])
+            host = Spread.of(
+                [1000 * (r.cpu_s - r.forward_cpu_s) / r.forwards for r in self.encoder]
+            )
+            lines += [
+                "| batcher thread CPU per row us | forward us | host per row us |",
+                "|---|---|---|",
+                " | ".join(["", *(_spread(_us(x), 0) for x in (cpu, forward, host)), ""]).strip(),
+            ]
+        lines += [
+            "",
+            f"Encoder engine process (`--api_workers 2`, V1 c={ENCODER_CONCURRENCY}):",
+            "",
+        ]
+        if self.encoder_failure:
+            lines.append(f"- {self.encoder_failure}")
+        lines += ["| runtime | engine CPU per row us | requests/s |", "|---|---|---|"]
+        for runtime in ENCODER_RUNTIMES:
+            served = [r for r in self.encoder_engine if r.runtime == runtime]
+            if served:
+                per_row = Spread.of([r.per_row_us for r in served])
+                rate = Spread.of([r.requests_per_s for r in served])
+                lines.append(f"| {runtime} | {_spread(per_row, 0)} | {_spread(rate, 0)} |")
         return lines
+
+
+@dataclass(frozen=True)
+class EncoderEngineRun:
+    """Single-text requests against one runtime's engine process."""
+
+    runtime: str
+    requests: int
+    engine_cpu_s: float
+    seconds: float
+
+    @property
+    def per_row_us(self) -> float:
+        return 1e6 * self.engine_cpu_s / self.requests
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+
+def _us(spread: Spread) -> Spread:
+    return Spread(1000 * spread.median, 1000 * spread.low, 1000 * spread.high)
 
 
 def _spread(spread: Spread, digits: int = 2) -> str:
@@ -373,8 +445,8 @@ def engine_runs(
     return runs
 
 
-def measure(model_dir: Path, settings: Settings, log_dir: Path) -> DecodeHostResult:
-    result = DecodeHostResult(settings, in_process(model_dir, settings.repeats))
+def measure(model_dir: Path, settings: Settings, log_dir: Path) -> HostCostResult:
+    result = HostCostResult(settings, in_process(model_dir, settings.repeats))
     try:
         result.engine = engine_runs(model_dir, settings, log_dir)
     except (RuntimeError, TimeoutError) as exc:

@@ -4,9 +4,12 @@ Requests wait in a queue. Between two decode steps the loop admits the waiting o
 first served, while the running rows stay within ``max_rows``): the prompts of the requests
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; a request that scores its prompt runs alone), then their rows
-join the running batch.
+join the running batch. A prompt longer than ``part_tokens`` (``--prefill_chunk_tokens``) is
+fed in parts instead, at most that many prompt tokens a turn, the running rows stepping
+between the parts: a long prompt delays the others' next tokens by one part's forward, not by
+its whole prompt's (chunked prefill, as vLLM's).
 Every step then feeds all running rows at once (each row's last token, kept on the device);
-the rows' :class:`~..generation.sampling_batch.SamplingBatch` (made when the rows change)
+the rows' :class:`~.sampling.SamplingBatch` (made when the rows change)
 chooses every row's next token with its own settings in one pass, copying to the host once,
 and each request receives its own rows' deltas. Finished rows and rows of requests
 whose consumer left drop out after the step.
@@ -15,8 +18,8 @@ The failure domain is one request. A failing prefill fails its own request (a gr
 are then run one at a time). A step whose forward fails is retried with each request's rows in
 a batch of their own (where the batch splits), so that only the request that breaks the model
 fails. What goes wrong in one row after the forward (its sampling settings, logits, grammar,
-text, stop strings) fails that row's request alone, before any other row draws its token: the
-other rows produce exactly what they would have produced without it. The loop goes on.
+text, stop strings) fails that row's request alone: the other rows produce exactly what they
+would have produced without it. The loop goes on.
 """
 
 from __future__ import annotations
@@ -32,15 +35,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..cli import ServerConfig
-from ..errors import NotReady, ServerError
-from ..generation.logits import prompt_token_logprobs
-from ..generation.params import ChoiceDelta, TokenLogprob
-from ..generation.sampling_batch import SamplingBatch
-from ..generation.sequence import SequenceState, advance
-from ..observability.metrics import DecodeLoopMetrics, Timeline
+from ...cli import ServerConfig
+from ...errors import NotReady, ServerError
+from ...generation.params import ChoiceDelta, TokenLogprob
+from ...observability.metrics import DecodeLoopMetrics, Timeline
+from ..loop_calls import deferred
 from .decode_batch import DecodeBatch
-from .loop_calls import deferred
+from .logits import prompt_token_logprobs
+from .sampling import SamplingBatch
+from .sequence import SequenceState, advance
 
 T = TypeVar("T")
 
@@ -75,6 +78,15 @@ class Request:
 
 
 @dataclass(eq=False)
+class Prefilling:
+    """An admitted request whose prompt is fed in parts, and how many of its tokens are in."""
+
+    request: Request
+    batch: DecodeBatch
+    fed: int = 0
+
+
+@dataclass(eq=False)
 class Running:
     """A decode batch and, for each of its rows, the row and the request it belongs to."""
 
@@ -106,9 +118,13 @@ class ContinuousBatcher:
         new_batch: Callable[[], DecodeBatch],
         max_rows: int,
         model_name: str = ServerConfig.model_name,
+        part_tokens: int = ServerConfig.prefill_chunk_tokens,
     ):
         self.new_batch = new_batch
         self.max_rows = max_rows
+        self.part_tokens = part_tokens
+        """Prompt tokens fed in parts per turn of the loop (``--prefill_chunk_tokens``)."""
+        self.prefilling: deque[Prefilling] = deque()
         self.metrics = DecodeLoopMetrics(model_name)
         self.waiting: deque[Request] = deque()
         self.running: list[Running] = []
@@ -163,20 +179,26 @@ class ContinuousBatcher:
 
     @property
     def running_rows(self) -> int:
-        return sum(len(group.rows) for group in self.running)
+        """The rows admitted: decoding, or whose prompt is being fed in parts."""
+        decoding = sum(len(group.rows) for group in self.running)
+        return decoding + sum(len(part.request.rows) for part in self.prefilling)
 
     def _loop(self) -> None:
         while True:
             with self.wake:
-                while not (self.waiting or self.running or self.closed or self.calls):
+                while not (
+                    self.waiting or self.running or self.prefilling or self.closed or self.calls
+                ):
                     self.wake.wait()
                 if self.closed:
                     break
                 admitted = self._admit()
             self._run_calls()
             with torch.inference_mode(), deferred():  # loops woken once per step
-                for requests in prefill_groups(admitted):
+                whole = self._begin_in_parts(admitted)
+                for requests in prefill_groups(whole):
                     self._start(requests)
+                self._feed_parts()
                 for group in list(self.running):
                     self._step(group)
         self._stop()
@@ -193,7 +215,10 @@ class ContinuousBatcher:
                 request.emit(self.stopped)
             for request in dict.fromkeys(o for g in self.running for o in g.owners):
                 self._end(request, self.stopped)
+            for part in self.prefilling:
+                self._end(part.request, self.stopped)
         self.running.clear()
+        self.prefilling.clear()
         for _, done in calls:
             done.set_exception(self.stopped)
 
@@ -246,6 +271,17 @@ class ContinuousBatcher:
                 for request in requests:
                     self._start([request])
             return
+        self._join(requests, batch, logits, scored)
+
+    def _join(
+        self,
+        requests: list[Request],
+        batch: DecodeBatch,
+        logits: torch.Tensor,
+        scored: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        """After the requests' prompts ran: their first tokens, then their rows join the
+        running batch."""
         rows = [row for request in requests for row in request.rows]
         owners = [request for request in requests for _ in request.rows]
         group = Running(batch, rows, owners)
@@ -263,6 +299,47 @@ class ContinuousBatcher:
             joined.owners += group.owners
         else:
             self.running.append(group)
+
+    def _begin_in_parts(self, admitted: list[Request]) -> list[Request]:
+        """Set aside the admitted requests whose prompt is fed in parts (longer than a part,
+        not scored, on a model that allows it); the others, whose prompts run whole."""
+        whole = []
+        for request in admitted:
+            long = len(request.prompt_ids) > self.part_tokens
+            if long and request.rows[0].params.prompt_logprobs is None:
+                batch = self.new_batch()
+                if batch.prefills_in_parts:
+                    self.prefilling.append(Prefilling(request, batch))
+                    continue
+            whole.append(request)
+        return whole
+
+    def _feed_parts(self) -> None:
+        """At most :attr:`part_tokens` prompt tokens of the requests fed in parts, first come
+        first served; a request whose prompt is all in joins the running batch. A part that
+        fails fails its request alone."""
+        budget = self.part_tokens
+        while budget and self.prefilling:
+            part = self.prefilling[0]
+            request, prompt = part.request, part.request.prompt_ids
+            if request.cancelled.is_set():
+                self.prefilling.popleft()
+                self._end(request, None)
+                continue
+            take = min(budget, len(prompt) - part.fed)
+            try:
+                logits = part.batch.prefill_part(prompt[part.fed : part.fed + take], part.fed)
+                part.fed += take
+                budget -= take
+                if part.fed == len(prompt):
+                    part.batch.finish_prefill(len(prompt), len(request.rows))
+            except Exception as exc:  # its request fails, not the loop
+                self.prefilling.popleft()
+                self._end(request, exc)
+                continue
+            if part.fed == len(prompt):
+                self.prefilling.popleft()
+                self._join([request], part.batch, logits.expand(len(request.rows), -1))
 
     def _step(self, group: Running) -> None:
         """One decode step of a batch. A forward that fails is retried with each request's

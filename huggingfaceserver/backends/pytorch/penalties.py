@@ -1,5 +1,5 @@
 """The repetition, presence and frequency penalties over a batch of rows, from counts kept on
-the device (:mod:`.sampling_batch` keeps them up to date token by token instead of recounting
+the device (:mod:`.sampling` keeps them up to date token by token instead of recounting
 each row's prompt and output every step). Each function is row-wise: per-row values are
 ``[rows, 1]`` columns.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .params import SamplingParams
+from ...generation.params import SamplingParams
 
 
 def wants_seen(params: SamplingParams) -> bool:

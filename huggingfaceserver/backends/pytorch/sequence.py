@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .constraints import GrammarMatcher
-from .params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
-from .sampling_batch import SamplingBatch
-from .text import ChoiceText
+from ...generation.constraints import GrammarMatcher
+from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
+from ...generation.text import ChoiceText
+from .sampling import SamplingBatch
 
 
 @dataclass(eq=False)
@@ -45,7 +45,7 @@ class SequenceState:
     def append(self, token_id: int, logprob: TokenLogprob | None) -> ChoiceDelta:
         """Take the next token; the delta it makes, with the finish reason when it ends.
 
-        Raises what fails the row: a :class:`~..errors.BadRequest` when the token breaks the
+        Raises what fails the row: a :class:`~...errors.BadRequest` when the token breaks the
         row's grammar, whatever making its text raises.
         """
         self.output_ids.append(token_id)
@@ -69,9 +69,9 @@ def advance(
     rows: list[SequenceState], logits: torch.Tensor, sampler: SamplingBatch
 ) -> list[ChoiceDelta | Exception]:
     """Choose each row's next token from its logits ``[rows, vocab]`` with ``sampler`` (the
-    rows' :class:`~.sampling_batch.SamplingBatch`): per row, its delta, or the exception that
+    rows' :class:`~.sampling.SamplingBatch`): per row, its delta, or the exception that
     failed that row (its settings, logits, grammar or text; see
-    :class:`~.sampling_batch.NextTokens`). Nothing a row does raises here, and the other rows'
+    :class:`~.sampling.NextTokens`). Nothing a row does raises here, and the other rows'
     tokens are those they would have had without the failed ones; only a batch-level mistake
     (logits for another number of rows) raises."""
     tokens, logprobs, failures = sampler.choose(logits)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from huggingfaceserver.backends.transformers_generation import TransformersGenerator
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams, TokenLogprob
 from huggingfaceserver.loading import load_source
 
-from ..openai_checks import model_log_softmax
+from ...openai_checks import model_log_softmax
 
 PROMPTS = [
     "Hello world",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from huggingfaceserver.backends.decode_batch import CausalLMBatch, DecodeBatch
+from huggingfaceserver.backends.pytorch.decode_batch import CausalLMBatch, DecodeBatch
 
 from .generation_helpers import PROMPTS, prompt
 
@@ -107,3 +107,39 @@ def test_sequence_to_sequence_batches_stay_apart(backends) -> None:
         other.prefill(prompt(backend), 1)
         assert not batch.absorb(other)
         assert not batch.prefills_together
+
+
+@pytest.mark.parametrize("reserved", [True, False])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_prompt_fed_in_parts_gives_what_it_gives_whole(backends, name, reserved) -> None:
+    """Parts of 3 tokens, then two rows stepped: the logits of the whole prompt's forward,
+    on the reserved cache and on transformers' own."""
+    backend = backends(name)
+    ids = prompt(backend, PROMPTS[2])
+    tokens = torch.randint(
+        0, backend.vocab_size, (2, STEPS), generator=torch.Generator().manual_seed(2)
+    ).tolist()
+
+    def batch() -> DecodeBatch:
+        return backend.new_batch() if reserved else CausalLMBatch(backend.model)
+
+    with torch.inference_mode():
+        whole = batch()
+        first, _ = whole.prefill(ids, 2)
+        expected = steps(whole, tokens)
+        parted = batch()
+        assert parted.prefills_in_parts
+        for start in range(0, len(ids), 3):
+            last = parted.prefill_part(ids[start : start + 3], start)
+        parted.finish_prefill(len(ids), 2)
+        got = steps(parted, tokens)
+    torch.testing.assert_close(last, first[0], atol=1e-5, rtol=1e-5)
+    for logits, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_to_sequence_prompt_runs_whole(backends) -> None:
+    batch = backends("t5").new_batch()
+    assert not batch.prefills_in_parts
+    with pytest.raises(NotImplementedError):
+        batch.prefill_part([1, 2], 0)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from huggingfaceserver.backends import kv_cache
-from huggingfaceserver.backends.decode_batch import CausalLMBatch, ReservedCausalLMBatch
-from huggingfaceserver.backends.kv_cache import ReservedCache, full_attention_layers
+from huggingfaceserver.backends.pytorch import kv_cache
+from huggingfaceserver.backends.pytorch.decode_batch import CausalLMBatch, ReservedCausalLMBatch
+from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache, full_attention_layers
 
 from .generation_helpers import PROMPTS, prompt
 

@@ -66,6 +66,23 @@ class DecodeBatch(ABC):
         :attr:`prefills_together`."""
         raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
 
+    @property
+    def prefills_in_parts(self) -> bool:
+        """Whether a prompt can be fed in parts (:meth:`prefill_part`), other batches stepping
+        between the parts."""
+        return False
+
+    def prefill_part(self, ids: list[int], start: int) -> torch.Tensor:
+        """Feed the next part of a prompt, one row: its tokens ``ids``, at positions from
+        ``start`` (0 for the first part); the next-token logits after it ``[V]``. Only where
+        :attr:`prefills_in_parts`; :meth:`finish_prefill` after the last part."""
+        raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
+
+    def finish_prefill(self, length: int, rows: int) -> None:
+        """After a prompt's last part (``length`` tokens in all): its cache held for ``rows``
+        rows, ready to step."""
+        raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
+
     @abstractmethod
     def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Feed each row its latest token (``[rows]`` on the device, or a list); the next-token
@@ -162,10 +179,24 @@ class CausalLMBatch(DecodeBatch):
         positions = torch.arange(length, device=self.device)[None]
         logits = self._forward(self._ids([prompt_ids]), positions, mask, score_prompt)[0]
         self.mask = mask
+        self.finish_prefill(length, rows)
+        return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
+
+    @property
+    def prefills_in_parts(self) -> bool:
+        return self.takes_positions  # a later part's tokens need their own positions
+
+    def prefill_part(self, ids: list[int], start: int) -> torch.Tensor:
+        mask = self._begin(len(ids), 1) if start == 0 else self._extend(len(ids))
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        logits = self._forward(self._ids([ids]), positions, mask)
+        self.mask = mask
+        return logits[0, -1]
+
+    def finish_prefill(self, length: int, rows: int) -> None:
         if rows > 1:
             self._repeat(torch.zeros(rows, dtype=torch.long, device=self.device))
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
-        return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
 
     @property
     def prefills_together(self) -> bool:
@@ -192,8 +223,12 @@ class CausalLMBatch(DecodeBatch):
         self.positions = lengths
         return logits
 
+    def _extend(self, tokens: int) -> torch.Tensor:
+        """The attention mask of a forward of ``tokens`` more tokens per row."""
+        return F.pad(self.mask, [0, tokens], value=1)
+
     def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        mask = F.pad(self.mask, [0, 1], value=1)
+        mask = self._extend(1)
         logits = self._forward(self._column(tokens), self.positions[:, None], mask)
         self.mask = mask
         self.positions = self.positions + 1
@@ -242,11 +277,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def mask(self, value: torch.Tensor) -> None:
         pass  # the cache's own, set through reserve
 
-    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        mask = self.cache.reserve(1)
-        logits = self._forward(self._column(tokens), self.positions[:, None], mask)
-        self.positions = self.positions + 1
-        return logits[:, -1]
+    def _extend(self, tokens: int) -> torch.Tensor:
+        return self.cache.reserve(tokens)
 
     def keep(self, rows: list[int]) -> None:
         self.cache.select_rows(rows)
