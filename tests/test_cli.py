@@ -79,6 +79,7 @@ OWN_FLAGS = {
     "max_batch_tokens": ("4096", 4096),
     "max_batch_size": ("8", 8),
     "batch_wait_ms": ("5", 5.0),
+    "prefill_chunk_tokens": ("64", 64),
     "api_workers": ("3", 3),
     "log_format": ("json", "json"),
     "enable_model_repository": (None, True),
@@ -457,7 +458,12 @@ def test_main_says_how_to_install_vllm(tiny_models):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--max_batch_size", "0"], ["--max_batch_tokens", "-1"], ["--batch_wait_ms", "-2"]],
+    [
+        ["--max_batch_size", "0"],
+        ["--max_batch_tokens", "-1"],
+        ["--batch_wait_ms", "-2"],
+        ["--prefill_chunk_tokens", "0"],
+    ],
 )
 def test_batching_limits_must_be_sensible(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
