@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,19 @@ import aiohttp
 import torch
 from transformers import AutoTokenizer
 
+from huggingfaceserver.backends.batching import Request as EncodeRequest
 from huggingfaceserver.backends.pytorch.decode_loop import Request
+from huggingfaceserver.backends.pytorch.encoder import TransformersEncoder
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
+from huggingfaceserver.encoders.params import Output
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.loading import load_source
 from huggingfaceserver.observability.syncs import SyncCounter
 
-from . import process_memory, routes, server, texts
+from . import plans, process_memory, routes, server, texts
+from .fastload import LoadClients
+from .models import BenchModels
 from .stats import Spread
 from .targets import Target
 from .workloads import Settings
@@ -445,7 +451,81 @@ def engine_runs(
     return runs
 
 
-def measure(model_dir: Path, settings: Settings, log_dir: Path) -> HostCostResult:
+def encoder_rows(model_dir: Path, repeats: int) -> list[LoopRun]:
+    """:data:`ENCODER_ROWS` single-row requests through the torch backend's batcher, submitted
+    at once (as the engine submits the fronts' rows), ``repeats`` times after a warm-up: the
+    batcher thread's CPU and the forwards' (``forwards``: the rows)."""
+    config = parse_args(["--model_dir", str(model_dir), "--backend", "huggingface"])
+    backend = TransformersEncoder(load_source(config), config)
+    backend.load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    backend.batcher.run_on_worker(lambda: torch.set_num_threads(1))
+    sentences = texts.cycle(list(texts.SENTENCES), ENCODER_ROWS)
+    rows = [backend.prepare_rows([text])[1] for text in sentences]
+
+    def run() -> LoopRun:
+        settled = threading.Semaphore(0)
+
+        def settle(outcome: object) -> None:
+            if isinstance(outcome, BaseException):
+                logger.error("%s: an encoder request failed: %r", KEY, outcome)
+            settled.release()
+
+        requests = [EncodeRequest(row, settle, Output.task.value) for row in rows]
+        batcher = backend.batcher
+        with forward_cpu(backend.model) as forwards:
+            start = batcher.run_on_worker(time.thread_time)
+            for request in requests:
+                batcher.submit(request)
+            for _ in requests:
+                settled.acquire()
+            cpu = batcher.run_on_worker(time.thread_time) - start
+        return LoopRun(len(requests), cpu, forwards[1])
+
+    try:
+        run()  # warm-up
+        return [run() for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
+        backend.shutdown()
+
+
+def encoder_engine_runs(
+    model_dir: Path, settings: Settings, log_dir: Path
+) -> list[EncoderEngineRun]:
+    """Each runtime's ``--api_workers 2`` server in turn, ``settings.repeats`` runs each."""
+    runs = []
+    with LoadClients(1) as clients:
+        for runtime, flags in ENCODER_RUNTIMES.items():
+            args = ["--model_dir", str(model_dir), "--model_name", ENCODER_MODEL_NAME]
+            args += ["--api_workers", "2", *flags, *settings.server_args]
+            log = log_dir / f"{KEY}-encoder-{flags[-1] if flags else 'default'}.log"
+            with server.serving(args, log) as running:
+                engine = engine_pid(running.process.pid)
+                port = running.http_port
+                warm_up = plans.v1_predict(ENCODER_MODEL_NAME, 2.0, 1, port)
+                clients.run(warm_up, ENCODER_CONCURRENCY)
+                plan = plans.v1_predict(ENCODER_MODEL_NAME, settings.duration_s, 1, port)
+                for _ in range(settings.repeats):
+                    result = clients.run(
+                        plan, ENCODER_CONCURRENCY, around=partial(server.cpu_seconds, engine)
+                    )
+                    if result.error_count:
+                        raise RuntimeError(f"{result.error_count} errors: {result.errors[:1]}")
+                    run = EncoderEngineRun(
+                        runtime, result.answered, result.server_cpu_s, result.elapsed_s
+                    )
+                    logger.info(
+                        "  %s, encoder engine, %s: %.0f us CPU per row",
+                        KEY, runtime, run.per_row_us,
+                    )  # fmt: skip
+                    runs.append(run)
+    return runs
+
+
+def measure(models: BenchModels, settings: Settings, log_dir: Path) -> HostCostResult:
+    model_dir = models.long_llama
     result = HostCostResult(settings, in_process(model_dir, settings.repeats))
     try:
         result.engine = engine_runs(model_dir, settings, log_dir)
@@ -453,4 +533,9 @@ def measure(model_dir: Path, settings: Settings, log_dir: Path) -> HostCostResul
         result.failure = f"the engine-process run failed: {str(exc).splitlines()[0][:300]}"
     busy = next(runs for runs in result.rows if runs.rows == STREAMS)
     result.generate_32 = busy.generate
+    result.encoder = encoder_rows(models.overhead, settings.repeats)
+    try:
+        result.encoder_engine = encoder_engine_runs(models.overhead, settings, log_dir)
+    except (RuntimeError, TimeoutError) as exc:
+        result.encoder_failure = f"the engine-process run failed: {str(exc).splitlines()[0][:300]}"
     return result
