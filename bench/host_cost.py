@@ -15,7 +15,8 @@ Generation, on :func:`bench.models.build_long_llama` (hidden 64, 2 layers):
 - **The engine process**, a server with ``--api_workers 2`` (two fronts make the text): 32
   streamed completions of :data:`TOKENS` tokens together, then one; the engine process's CPU
   (``/proc``) per decode step of 32 rows (its CPU per generated token, times 32) against
-  ``generate``'s CPU per step at batch 32, in the benchmark process.
+  ``generate``'s CPU per step at batch 32, in the benchmark process, measured in turn with
+  the engine's runs (the server idle meanwhile).
 
 Encoders, on :func:`bench.models.build_overhead_encoder` (a BERT classifier, hidden 32, 2
 layers):
@@ -29,17 +30,19 @@ layers):
   and on torch: its CPU per row under single-text V1 ``:predict`` requests at concurrency
   :data:`ENCODER_CONCURRENCY` (the lean load generator of :mod:`bench.fastload`).
 
-Torch runs on one intra-op thread in the benchmark process (what the server's calibration keeps
-for these models on a small CPU); the server calibrates its own.
+Torch runs on one intra-op thread in the benchmark process and in the generation engine
+(``OMP_NUM_THREADS=1``: what the server's calibration keeps for these models on a small CPU,
+unless a busy minute sways it); the encoder servers calibrate their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,7 +51,7 @@ from typing import Any
 
 import aiohttp
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from huggingfaceserver.backends.batching import Request as EncodeRequest
 from huggingfaceserver.backends.pytorch.decode_loop import Request
@@ -71,7 +74,9 @@ logger = logging.getLogger(__name__)
 
 KEY = "host_cost"
 MODEL_NAME = "llm"
-TOKENS = 128
+TOKENS = 512
+"""Tokens per request (and ``generate``'s new tokens): long enough that a run of 32 rows lasts
+seconds, not a few clock ticks of ``/proc``'s CPU time."""
 ROWS = (1, 32)
 STREAMS = 32
 SYNCS_PER_STEP = 1.0
@@ -80,6 +85,10 @@ ENGINE_CPU_FACTOR = 1.5
 """The engine process's CPU per decode step at 32 streams: at most this many times
 ``generate``'s CPU per step at batch 32."""
 ISSUE_FIGURES = "14.5 ms against 4.5 ms (3.2x) at 32; 2.3 against 1.1 ms at 1 (2026-11-27)"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""The engine's torch threads, as ``generate``'s here: its calibration, which times a prefill
+of 8 x 32 tokens at load, is left out (on this model a busy minute can make it keep 2 threads,
+whose spinning doubles the engine's CPU while its decode steps gain nothing)."""
 ENCODER_ROWS = 512
 ENCODER_CONCURRENCY = 64
 ENCODER_MODEL_NAME = "overhead"
@@ -96,6 +105,9 @@ class LoopRun:
     forward_cpu_s: float
     """Of which inside the model's forwards."""
     syncs: int = 0
+    """Host synchronisations outside the model's forward (the server's own)."""
+    model_syncs: int = 0
+    """Inside the model's forward (transformers' own)."""
 
     @property
     def cpu_per_step_ms(self) -> float:
@@ -109,6 +121,10 @@ class LoopRun:
     def syncs_per_step(self) -> float:
         return self.syncs / self.forwards
 
+    @property
+    def model_syncs_per_step(self) -> float:
+        return self.model_syncs / self.forwards
+
 
 @dataclass
 class RowsRuns:
@@ -116,7 +132,9 @@ class RowsRuns:
 
     rows: int
     syncs_per_step: float = float("nan")
-    """Counted in a run of its own."""
+    """The server's own, outside the model's forward; counted in a run of its own."""
+    model_syncs_per_step: float = float("nan")
+    """The model's forward's own (transformers'), in the same run."""
     server: list[LoopRun] = field(default_factory=list)
     generate: list[LoopRun] = field(default_factory=list)
 
@@ -155,10 +173,12 @@ class HostCostResult:
             syncs = runs.syncs_per_step
             found.append(
                 Target(
-                    f"{KEY}: {runs.rows} row(s), host synchronisations per decode step "
-                    f"<= {SYNCS_PER_STEP:g}",
+                    f"{KEY}: {runs.rows} row(s), the server's host synchronisations per "
+                    f"decode step <= {SYNCS_PER_STEP:g}",
                     syncs <= SYNCS_PER_STEP,
-                    f"{syncs:.2f} (reads of the device's values per forward, counted)",
+                    f"{syncs:.2f} (reads of the device's values per forward, outside the "
+                    f"model's forward; the forward itself adds {runs.model_syncs_per_step:.2f}, "
+                    "transformers' SDPA mask check)",
                 )
             )
         busy = [run for run in self.engine if run.streams == STREAMS]
@@ -181,9 +201,9 @@ class HostCostResult:
 
     def section(self) -> list[str]:
         lines = [
-            f"## Decode host cost ({KEY})",
+            f"## Host cost: decode steps and encoder rows ({KEY})",
             "",
-            __doc__.split("\n\n", 1)[1].strip(),
+            _markdown(__doc__.split("\n\n", 1)[1].strip()),
             "",
             "| rows | loop | CPU per step ms | forward ms | host per step ms |",
             "|---|---|---|---|---|",
@@ -196,7 +216,11 @@ class HostCostResult:
                     f"{_spread(Spread.of([1000 * r.forward_cpu_s / r.forwards for r in loop]))} | "
                     f"{_spread(Spread.of([r.host_per_step_ms for r in loop]))} |"
                 )
-        syncs = ", ".join(f"{r.syncs_per_step:.2f} at {r.rows} row(s)" for r in self.rows)
+        syncs = ", ".join(
+            f"{r.syncs_per_step:.2f} the server's and {r.model_syncs_per_step:.2f} the model "
+            f"forward's at {r.rows} row(s)"
+            for r in self.rows
+        )
         lines += ["", f"Host synchronisations per decode step, counted: {syncs}."]
         lines += ["", "Engine process (`--api_workers 2`):", ""]
         if self.failure:
@@ -268,6 +292,12 @@ class EncoderEngineRun:
         return self.requests / self.seconds
 
 
+def _markdown(text: str) -> str:
+    """A docstring's reStructuredText roles and literals as Markdown."""
+    text = re.sub(r":(?:func|class|mod|data):`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
 def _us(spread: Spread) -> Spread:
     return Spread(1000 * spread.median, 1000 * spread.low, 1000 * spread.high)
 
@@ -318,7 +348,7 @@ def server_loop(
     ]
     batcher = backend.batcher
     counter = SyncCounter(backend.device)
-    with forward_cpu(backend.model) as forwards:
+    with forward_cpu(backend.model) as forwards, counter.separating(backend.model):
         if count_syncs:
             batcher.run_on_loop(counter.__enter__)
         start = batcher.run_on_loop(time.thread_time)
@@ -328,7 +358,7 @@ def server_loop(
         cpu = batcher.run_on_loop(time.thread_time) - start
         if count_syncs:
             batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
-    return LoopRun(int(forwards[0]), cpu, forwards[1], counter.total)
+    return LoopRun(int(forwards[0]), cpu, forwards[1], counter.outside_module, counter.in_module)
 
 
 def _submit_all(batcher: Any, requests: list[Request]) -> None:
@@ -373,6 +403,7 @@ def in_process(model_dir: Path, repeats: int) -> list[RowsRuns]:
             server_loop(backend, ids)  # warm-up: the first calls allocate
             counted = server_loop(backend, ids, count_syncs=True)
             runs.syncs_per_step = counted.syncs_per_step
+            runs.model_syncs_per_step = counted.model_syncs_per_step
             plain_generate(backend.model, tokenizer, prompts)
             for _ in range(repeats):
                 runs.server.append(server_loop(backend, ids))
@@ -418,14 +449,20 @@ def engine_pid(root: int) -> int:
 
 
 def engine_runs(
-    model_dir: Path, settings: Settings, log_dir: Path, source_tree: Path | None = None
+    model_dir: Path,
+    settings: Settings,
+    log_dir: Path,
+    source_tree: Path | None = None,
+    between: Callable[[], None] = lambda: None,
 ) -> list[EngineRun]:
     """32 streams together, then 1, ``settings.repeats`` times, on one ``--api_workers 2``
-    server (``source_tree``: the server's code from that folder, e.g. an older commit's)."""
+    server (``source_tree``: the server's code from that folder, e.g. an older commit's);
+    ``between()`` after each 32-stream run (``generate`` measured in turn with the server)."""
     args = ["--model_dir", str(model_dir), "--model_name", MODEL_NAME, "--backend", "huggingface"]
     args += ["--api_workers", "2", *settings.server_args]
     runs = []
-    with server.serving(args, log_dir / f"{KEY}.log", source_tree) as running:
+    log = log_dir / f"{KEY}.log"
+    with server.serving(args, log, source_tree, ONE_THREAD) as running:
         root = running.process.pid
         engine = engine_pid(root)
 
@@ -448,6 +485,8 @@ def engine_runs(
                     "  %s, engine: %d streams, %.2f ms CPU per step", KEY, streams, run.per_step_ms
                 )
                 runs.append(run)
+                if streams == STREAMS:
+                    between()
     return runs
 
 
@@ -527,12 +566,23 @@ def encoder_engine_runs(
 def measure(models: BenchModels, settings: Settings, log_dir: Path) -> HostCostResult:
     model_dir = models.long_llama
     result = HostCostResult(settings, in_process(model_dir, settings.repeats))
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    prompts = texts.cycle(texts.prompts(), STREAMS)
+
+    def plain() -> None:  # in turn with the engine's runs, so that both see the same minutes
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            result.generate_32.append(plain_generate(model, tokenizer, prompts))
+        finally:
+            torch.set_num_threads(threads)
+
     try:
-        result.engine = engine_runs(model_dir, settings, log_dir)
+        result.engine = engine_runs(model_dir, settings, log_dir, between=plain)
     except (RuntimeError, TimeoutError) as exc:
         result.failure = f"the engine-process run failed: {str(exc).splitlines()[0][:300]}"
-    busy = next(runs for runs in result.rows if runs.rows == STREAMS)
-    result.generate_32 = busy.generate
     result.encoder = encoder_rows(models.overhead, settings.repeats)
     try:
         result.encoder_engine = encoder_engine_runs(models.overhead, settings, log_dir)

@@ -5,8 +5,10 @@ On a GPU, reading a tensor's values into Python (``.item()``, ``int()``, ``bool(
 ``.tolist()``, ``.numpy()``), copying it to the host, and ops whose output size depends on the
 values (``nonzero``, boolean indexing, ``masked_select``) make the host wait until the device
 has caught up. :class:`SyncCounter` counts them while it is active, with torch's public
-:class:`~torch.overrides.TorchFunctionMode` (the Python-level reads, which never reach the
-dispatcher) and :class:`~torch.utils._python_dispatch.TorchDispatchMode` (the ops).
+:class:`~torch.overrides.TorchFunctionMode` (the Python-level reads: ``tolist`` never reaches
+the dispatcher, and under ``torch.inference_mode`` neither does the scalar read behind
+``item`` or ``bool``) and :class:`~torch.utils._python_dispatch.TorchDispatchMode` (the ops,
+and scalar reads made inside other ops).
 
 With ``device`` a CPU, every read of values counts, since the same code reads the device's
 tensors on a GPU; with an accelerator, only reads and copies of tensors on it.
@@ -15,7 +17,8 @@ tensors on a GPU; with an accelerator, only reads and copies of tensors on it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 READS = frozenset({"tolist", "numpy", "__array__"})
 """Tensor methods that read every value into Python or NumPy (without the dispatcher)."""
+SCALAR_READS = frozenset({"item", "__bool__", "__int__", "__float__", "__index__"})
+"""Tensor methods that read one value into Python (through ``_local_scalar_dense``, which the
+dispatcher does not show a mode under ``torch.inference_mode``: they are counted here)."""
 TRANSFERS = frozenset({"cpu", "to", "copy_"})
 """Tensor methods that may copy to the host."""
 aten = torch.ops.aten
@@ -41,13 +47,42 @@ class SyncCounter:
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()
         self._modes: list[Any] = []
+        self.reading = False
+        """Inside a Python-level read, whose ``_local_scalar_dense`` is not counted again."""
+        self.in_module = 0
+        """Of :attr:`total`, the counts made inside a module's forward (:meth:`separating`)."""
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def outside_module(self) -> int:
+        """The counts made outside the module's forward (:meth:`separating`)."""
+        return self.total - self.in_module
+
     def reset(self) -> None:
         self.counts.clear()
+        self.in_module = 0
+
+    @contextmanager
+    def separating(self, module: torch.nn.Module) -> Iterator[None]:
+        """While in the block, the counts made inside ``module``'s forward calls are also
+        added to :attr:`in_module`: a model's own waits, apart from the code around it."""
+        started: list[int] = []
+
+        def before(*_: Any) -> None:
+            started.append(self.total)
+
+        def after(*_: Any) -> None:
+            self.in_module += self.total - started.pop()
+
+        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def watched(self, tensor: Any) -> bool:
         """Whether reading ``tensor`` waits for the device."""
@@ -91,6 +126,13 @@ class _Reads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
+        if name in SCALAR_READS and self.counter.watched(source):
+            self.counter.counts[name] += 1
+            self.counter.reading = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.counter.reading = False
         if name in READS and self.counter.watched(source):
             self.counter.counts[name] += 1
         elif (
@@ -111,7 +153,8 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if args and self.counter.watched(args[0]):
-            if func is aten._local_scalar_dense.default or func in VALUE_SIZED:
+            scalar = func is aten._local_scalar_dense.default and not self.counter.reading
+            if scalar or func in VALUE_SIZED:
                 self.counter.counts[func.overloadpacket.__name__] += 1
             elif func in INDEXING and _boolean_index(args):
                 self.counter.counts[f"{func.overloadpacket.__name__} (boolean mask)"] += 1

@@ -14,7 +14,9 @@ def test_the_sync_counter_sees_every_kind_of_read() -> None:
         t.tolist(), t[0].item(), bool(t[1]), int(t[2]), t.numpy(), t.nonzero(), t[t > 1]
     assert counter.counts == {
         "tolist": 1,
-        "_local_scalar_dense": 3,
+        "item": 1,
+        "__bool__": 1,
+        "__int__": 1,
         "numpy": 1,
         "nonzero": 1,
         "index (boolean mask)": 1,
@@ -26,3 +28,25 @@ def test_with_an_accelerator_only_its_tensors_count() -> None:
     with SyncCounter("cuda") as counter:
         t.tolist(), bool(t[1]), t.nonzero(), t.to("cpu")
     assert counter.total == 0
+
+
+def test_scalar_reads_count_under_inference_mode_once() -> None:
+    """The dispatcher shows no mode the scalar read behind ``bool`` under inference mode, and
+    shows it besides the Python-level read otherwise: counted once either way."""
+    for inference in (True, False):
+        with torch.inference_mode(inference):
+            t = torch.arange(3.0)
+            with SyncCounter() as counter:
+                bool(t[1]), t[2].item()
+        assert counter.counts == {"__bool__": 1, "item": 1}, inference
+
+
+def test_a_modules_own_waits_are_told_apart() -> None:
+    class Reads(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if bool(x.sum() > 0) else x
+
+    module, counter = Reads(), SyncCounter()
+    with counter, counter.separating(module):
+        module(torch.ones(2)).tolist()
+    assert (counter.in_module, counter.outside_module) == (1, 1)
