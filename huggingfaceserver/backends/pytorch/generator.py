@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -37,9 +37,14 @@ from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq
 from .decode_loop import ContinuousBatcher, Request
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
-from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads
+from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads, most_calibration_forwards
 
 logger = logging.getLogger(__name__)
+
+CALIBRATION_ROWS = 32
+"""Rows of the decode step the thread calibration times (fewer with a smaller batch limit)."""
+CALIBRATION_STEPS = most_calibration_forwards()
+"""Decode steps the calibration may take, each a column more of the calibration batch's cache."""
 
 MODEL_CLASSES: dict[Task, Any] = {
     Task.text_generation: AutoModelForCausalLM,
@@ -141,25 +146,48 @@ class TransformersGenerator(GenerationBackend):
         )
 
     def tune(self) -> None:
-        """On CPU, torch's intra-op threads only where they make a forward pass faster (as for
-        encoders: on a small model or a busy CPU their spin-waits made each decode step 10 to
-        45 times slower), decided on the decode thread, which runs every forward pass."""
+        """On CPU, torch's intra-op threads only where they make the loop's forward passes
+        faster (as for encoders: on a small model or a busy CPU their spin-waits made each
+        decode step 10 to 45 times slower), decided on the decode thread, which runs every
+        forward pass. A decoder-only model is timed on what the loop runs most: a decode step
+        of a full batch (:data:`CALIBRATION_ROWS` rows at most) over a prompt's cache; a
+        prefill-shaped forward, which threads speed up far more, kept 2 threads for a model
+        whose decode steps they did not speed up at all."""
         if self.device.type != "cpu":
             return
-        rows, tokens = CALIBRATION_SHAPE
-        ids = torch.randint(
-            0, self.vocab_size, (rows, min(tokens, self.max_model_len)), generator=torch.Generator()
+        threads = self.batcher.run_on_loop(
+            lambda: calibrate_cpu_threads(self._calibration_forward())
         )
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if self.is_encoder_decoder:
-            inputs["decoder_input_ids"] = torch.full((rows, 1), self.decoder_start_token_id or 0)
-
-        def forward() -> None:
-            with torch.inference_mode():
-                self.model(**inputs)
-
-        threads = self.batcher.run_on_loop(lambda: calibrate_cpu_threads(forward))
         logger.info("intra-op threads: %s", threads)
+
+    def _calibration_forward(self) -> Callable[[], object]:
+        """The forward pass the thread calibration times (made on the decode thread)."""
+        rows, tokens = CALIBRATION_SHAPE
+        tokens = min(tokens, self.max_model_len - CALIBRATION_STEPS)
+        ids = torch.randint(0, self.vocab_size, (rows, tokens), generator=torch.Generator())
+        if self.is_encoder_decoder:
+            inputs = {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "decoder_input_ids": torch.full((rows, 1), self.decoder_start_token_id or 0),
+            }
+
+            def forward() -> None:
+                with torch.inference_mode():
+                    self.model(**inputs)
+
+            return forward
+        decode_rows = min(self.max_rows, CALIBRATION_ROWS)
+        batch = self.new_batch()
+        with torch.inference_mode():
+            batch.prefill(ids[0].tolist(), decode_rows)
+        step = torch.zeros(decode_rows, dtype=torch.long, device=self.device)
+
+        def decode_step() -> None:
+            with torch.inference_mode():
+                batch.step(step)
+
+        return decode_step
 
     def _decoder_start_token_id(self) -> int | None:
         if not self.is_encoder_decoder:

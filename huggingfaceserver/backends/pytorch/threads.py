@@ -71,6 +71,12 @@ def time_thread_counts(
     return timings
 
 
+def most_calibration_forwards() -> int:
+    """The forward passes :func:`time_thread_counts` makes at most (a warm-up, then a timing on
+    each thread count per round)."""
+    return 1 + 2 * CALIBRATION_ROUNDS
+
+
 def calibrate_cpu_threads(forward: Callable[[], object]) -> str:
     """Keep torch's intra-op threads only where they pay: for a small model they barely speed a
     forward up while their OpenMP workers spin between operations, a core busy for nothing

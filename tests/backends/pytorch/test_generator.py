@@ -5,6 +5,7 @@ sampling seeds, penalties, cancellation and threading."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from .generation_helpers import (
     MAX_TOKENS,
     PROMPTS,
     forward_calls,
+    forward_shapes,
     load,
     prompt,
     reference_greedy,
@@ -268,3 +270,27 @@ def test_context_length(tiny_models: dict[str, Path], backends) -> None:
 def test_an_encoder_task_is_refused(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(StartupError, match="not a generation task"):
         load(tiny_models["bert_fill_mask"])
+
+
+async def test_threads_are_calibrated_on_decode_steps(tiny_models, monkeypatch, caplog) -> None:
+    """A decoder-only model's thread calibration times decode steps of a full batch over a
+    prompt's cache, off the running batch: the loop serves as before afterwards."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    backend = load(tiny_models["llama"], "--max_batch_size", "4")
+    threads = torch.get_num_threads()
+    try:
+        with forward_shapes(backend) as shapes, caplog.at_level(logging.INFO):
+            backend.tune()
+        if threads >= 2:
+            assert "intra-op threads" in caplog.text
+            assert shapes[0][0] == 1 and shapes[0][1] > 1  # the prompt
+            assert set(shapes[1:]) == {(4, 1)}  # then decode steps of 4 rows
+        assert backend.batcher.running_rows == 0
+        ids = prompt(backend)
+        (choice,) = await run(backend, ids, SamplingParams(temperature=0, max_tokens=6))
+        until_eos = reference_greedy(backend, ids, 6)
+        assert choice.token_ids[: len(until_eos)] == until_eos
+    finally:
+        backend.batcher.run_on_loop(lambda: torch.set_num_threads(threads))
+        torch.set_num_threads(threads)
+        backend.shutdown()
