@@ -7,7 +7,7 @@ import os
 import platform
 import subprocess
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -83,7 +83,7 @@ def describe() -> Environment:
     import torch
 
     return Environment(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         cpu=_cpu_model(),
         cores=os.cpu_count() or 0,
         memory_gib=_memory_gib(),

@@ -23,11 +23,11 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 
-import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

@@ -77,7 +77,7 @@ async def _worker(
             return samples
         try:
             samples.append(await call(session, next(indices)))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             samples.append(Sample(float("nan"), error=f"{type(exc).__name__}: {exc}"))
 
 

@@ -229,7 +229,7 @@ async def _stream_loop(
         body = routes.completion_body(MODEL_NAME, prompt, run.tokens, {"ignore_eos": True})
         try:
             trace = await routes.traced_completion_stream(session, url, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             trace = StreamTrace(float("nan"), error=f"{type(exc).__name__}: {exc}")
         if trace.error is None and trace.usage_tokens != run.tokens:
             raise TokenCountMismatch(

@@ -10,6 +10,7 @@ import io
 import os
 import re
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -54,11 +55,6 @@ def documents(path: Path) -> list[Any]:
 def project_version() -> str:
     """``version`` in pyproject.toml."""
     text = (REPO / "pyproject.toml").read_text()
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        (version,) = re.findall(r'^version = "([^"]+)"$', text, re.M)
-        return version
     return str(tomllib.loads(text)["project"]["version"])
 
 

@@ -7,10 +7,10 @@ import re
 import shlex
 import subprocess
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.specifiers import SpecifierSet
 
 from tests.deploy.images import (

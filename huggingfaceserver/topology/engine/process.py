@@ -116,7 +116,7 @@ class Engine:
         await asyncio.to_thread(self.backend.load)
         # timings are only worth taking once the fronts have started (they import and load
         # tokenizers meanwhile, on the same cores) and wait for the engine
-        with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not the builtin
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.all_fronts.wait(), FRONTS_WAIT_S)
         await asyncio.to_thread(self.backend.tune)
         freeze_loaded_heap()
