@@ -171,15 +171,20 @@ class CausalLMBatch(DecodeBatch):
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
 
+    def _feed(self, ids: list[int], start: int, every_position: bool = False) -> torch.Tensor:
+        """One row's prompt tokens ``ids`` at positions from ``start`` (0: the first forward):
+        the logits of the last position ``[1, V]``, or of every one ``[len(ids), V]``."""
+        mask = self._begin(len(ids), 1) if start == 0 else self._extend(len(ids))
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        logits = self._forward(self._ids([ids]), positions, mask, every_position)[0]
+        self.mask = mask
+        return logits
+
     def prefill(
         self, prompt_ids: list[int], rows: int, score_prompt: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        length = len(prompt_ids)
-        mask = self._begin(length, 1)
-        positions = torch.arange(length, device=self.device)[None]
-        logits = self._forward(self._ids([prompt_ids]), positions, mask, score_prompt)[0]
-        self.mask = mask
-        self.finish_prefill(length, rows)
+        logits = self._feed(prompt_ids, 0, score_prompt)
+        self.finish_prefill(len(prompt_ids), rows)
         return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
 
     @property
@@ -187,11 +192,7 @@ class CausalLMBatch(DecodeBatch):
         return self.takes_positions  # a later part's tokens need their own positions
 
     def prefill_part(self, ids: list[int], start: int) -> torch.Tensor:
-        mask = self._begin(len(ids), 1) if start == 0 else self._extend(len(ids))
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        logits = self._forward(self._ids([ids]), positions, mask)
-        self.mask = mask
-        return logits[0, -1]
+        return self._feed(ids, start)[-1]
 
     def finish_prefill(self, length: int, rows: int) -> None:
         if rows > 1:

@@ -145,7 +145,7 @@ class SamplingBatch:
         """The last step's tokens ``[rows]`` on the device: the next step's input."""
         params = [row.params for row in self.rows]
         self.sampled = [i for i, p in enumerate(params) if not p.greedy]
-        self.all_sampled = len(self.sampled) == len(self.rows)
+        self.all_sampled = bool(self.sampled) and len(self.sampled) == len(self.rows)
         self.sampled_index = _index(self.sampled, device)
         self.filters = Filters.of([params[i] for i in self.sampled], vocab, device)
         self.seeded = [
@@ -212,17 +212,16 @@ class SamplingBatch:
         self.seen_rows = [i for i, p in enumerate(params) if wants_seen(p)]
         self.count_rows = [i for i, p in enumerate(params) if wants_counts(p)]
         self.seen = self.counts = None
+        if previous is not None and previous.broken:
+            previous = None  # its counts lag its rows' tokens
         if self.seen_rows:
             self.seen_index = _index(self.seen_rows, self.device)
             self.repetition = _column(
                 [params[i].repetition_penalty for i in self.seen_rows], self.device
             )
+            old = None if previous is None else previous.seen_table()
             self.seen = self._carried(
-                self.seen_rows,
-                previous,
-                "seen",
-                torch.bool,
-                lambda row: [*row.prompt_ids, *row.output_ids],
+                self.seen_rows, old, torch.bool, lambda row: [*row.prompt_ids, *row.output_ids]
             )
         if self.count_rows:
             self.count_index = _index(self.count_rows, self.device)
@@ -232,39 +231,38 @@ class SamplingBatch:
             self.frequency = _column(
                 [params[i].frequency_penalty for i in self.count_rows], self.device
             )
+            old = None if previous is None else previous.counts_table()
             self.counts = self._carried(
-                self.count_rows, previous, "counts", torch.float32, lambda row: row.output_ids
+                self.count_rows, old, torch.float32, lambda row: row.output_ids
             )
 
     def _carried(
         self,
         positions: list[int],
-        previous: SamplingBatch | None,
-        name: str,
+        old: tuple[list[SamplingRow], torch.Tensor] | None,
         dtype: torch.dtype,
         tokens_of: Callable[[SamplingRow], Sequence[int]],
     ) -> torch.Tensor:
-        """``[len(positions), vocab]``: each row's ``name`` table row carried over from
-        ``previous`` where the row was there (and its state is current), else counted once from
-        ``tokens_of(row)``."""
+        """``[len(positions), vocab]``: the table row of each of these rows, carried over from
+        the previous batch's (``old``: the rows of its table, and the table) where the row was
+        there, else counted once from ``tokens_of(row)``."""
         table = torch.zeros(len(positions), self.vocab, dtype=dtype, device=self.device)
-        old: dict[int, int] = {}
-        old_table: torch.Tensor | None = None
-        if previous is not None and not previous.broken:
-            old_table = getattr(previous, name)
-            old_positions = previous.seen_rows if name == "seen" else previous.count_rows
-            old = {id(previous.rows[i]): k for k, i in enumerate(old_positions)}
-        kept = [
-            (k, old[id(self.rows[i])]) for k, i in enumerate(positions) if id(self.rows[i]) in old
-        ]
-        if kept and old_table is not None:
-            new, was = zip(*kept, strict=True)
-            table[_index(new, self.device)] = old_table[_index(was, self.device)]
-        carried = {k for k, _ in kept}
+        was: dict[int, int] = {}
+        if old is not None:
+            old_rows, old_table = old
+            previous_rows = {id(row): k for k, row in enumerate(old_rows)}
+            was = {
+                k: previous_rows[id(self.rows[i])]
+                for k, i in enumerate(positions)
+                if id(self.rows[i]) in previous_rows
+            }
+            if was:
+                new_index = _index(list(was), self.device)
+                table[new_index] = old_table[_index(list(was.values()), self.device)]
         pairs = [
             (k, token)
             for k, i in enumerate(positions)
-            if k not in carried
+            if k not in was
             for token in tokens_of(self.rows[i])
         ]
         if pairs:
@@ -273,6 +271,16 @@ class SamplingBatch:
             ones = torch.ones(len(pairs), dtype=dtype, device=self.device)
             table.index_put_(index, ones, accumulate=dtype != torch.bool)
         return table
+
+    def seen_table(self) -> tuple[list[SamplingRow], torch.Tensor] | None:
+        """The repetition penalty's table and the rows of its table rows (None: no such row)."""
+        return None if self.seen is None else ([self.rows[i] for i in self.seen_rows], self.seen)
+
+    def counts_table(self) -> tuple[list[SamplingRow], torch.Tensor] | None:
+        """The presence and frequency penalties' table and the rows of its table rows."""
+        if self.counts is None:
+            return None
+        return [self.rows[i] for i in self.count_rows], self.counts
 
     def choose(self, logits: torch.Tensor) -> NextTokens:
         """Each row's next token, and its logprobs where the row asked for them (one copy to
@@ -345,16 +353,13 @@ class SamplingBatch:
     def _choose(self, raw: torch.Tensor) -> NextTokens:
         processed, failures = self.process(raw)
         usable = processed.amax(dim=-1).isfinite()
-        tokens = processed.argmax(dim=-1)
-        drawable = torch.ones_like(usable)
-        if self.sampled:
-            part = processed if self.all_sampled else processed.index_select(0, self.sampled_index)
-            filtered = self.filters.apply(part)
-            drawn = self._draw(filtered.softmax(dim=-1))
-            finite = filtered.amax(dim=-1).isfinite()
-            if self.all_sampled:
-                tokens, drawable = drawn, finite
-            else:
+        if self.all_sampled:  # no row takes the argmax
+            tokens, drawable = self._sample(processed)
+        else:
+            tokens = processed.argmax(dim=-1)
+            drawable = torch.ones_like(usable)
+            if self.sampled:
+                drawn, finite = self._sample(processed.index_select(0, self.sampled_index))
                 tokens = tokens.index_copy(0, self.sampled_index, drawn)
                 drawable = drawable.index_copy(0, self.sampled_index, finite)
         parts = [tokens.double(), usable.double(), drawable.double()]
@@ -370,6 +375,12 @@ class SamplingBatch:
         self._take_in(tokens)
         host = to_host(torch.cat(parts))
         return self._unpack(host, raw, processed, failures)
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled rows' tokens from their processed ``logits``, and whether each row's
+        filtered logits leave anything to draw."""
+        filtered = self.filters.apply(logits)
+        return self._draw(filtered.softmax(dim=-1)), filtered.amax(dim=-1).isfinite()
 
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row of ``probs`` (the sampled rows'), by the inverse of its cumulative
