@@ -177,8 +177,9 @@ class HostCostResult:
                     f"decode step <= {SYNCS_PER_STEP:g}",
                     syncs <= SYNCS_PER_STEP,
                     f"{syncs:.2f} (reads of the device's values per forward, outside the "
-                    f"model's forward; the forward itself adds {runs.model_syncs_per_step:.2f}, "
-                    "transformers' SDPA mask check)",
+                    f"model's forward; the forward itself adds {runs.model_syncs_per_step:.2f}: "
+                    "a decode step passes its mask ready-made, a prompt's forward leaves "
+                    "transformers' SDPA mask check its one read)",
                 )
             )
         busy = [run for run in self.engine if run.streams == STREAMS]

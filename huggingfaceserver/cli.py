@@ -43,7 +43,7 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     compilation-config config-format cpu-offload-gb data-parallel-size disable-custom-all-reduce
     disable-log-stats disable-sliding-window distributed-executor-backend download-dir
     enable-chunked-prefill enable-expert-parallel enable-lora
-    enable-prefix-caching enable-prompt-embeds enforce-eager fully-sharded-loras
+    enable-prefix-caching enable-prompt-embeds fully-sharded-loras
     generation-config gpu-memory-utilization guided-decoding-backend hf-config-path hf-overrides
     kv-cache-dtype kv-transfer-config limit-mm-per-prompt load-format logits-processor-pattern
     lora-dtype lora-extra-vocab-size lora-modules max-cpu-loras max-logprobs max-lora-rank
@@ -185,6 +185,12 @@ class ServerConfig:
     """Chunked prefill on the transformers backend: a prompt longer than this is fed in parts of
     this many tokens, one part per turn of the decode loop, so that the rows already decoding
     keep stepping between the parts instead of waiting for the whole prompt."""
+    enforce_eager: bool = option(
+        False, "generation on a GPU: run decode steps eagerly, not as CUDA graphs"
+    )
+    """The transformers backend on a GPU replays decode steps as CUDA graphs recorded per
+    batch-size bucket (:mod:`.backends.pytorch.step_graphs`), as vLLM does; this runs them
+    eagerly, on both backends (vLLM gets its ``--enforce-eager``). No effect on a CPU."""
     chat_template: str | None = option(None, "chat template: Jinja text or a file path")
     """For chat requests."""
     disable_log_requests: bool = option(False, "do not log requests")

@@ -80,6 +80,7 @@ OWN_FLAGS = {
     "max_batch_size": ("8", 8),
     "batch_wait_ms": ("5", 5.0),
     "prefill_chunk_tokens": ("64", 64),
+    "enforce_eager": (None, True),
     "api_workers": ("3", 3),
     "log_format": ("json", "json"),
     "enable_model_repository": (None, True),
@@ -348,9 +349,9 @@ def test_vllm_engine_flags_are_kept_with_their_values():
         ]
     )
     assert config.model_dir == "/models/llama"
+    assert config.enforce_eager  # ours, passed on to vLLM (test_engine_args)
     assert config.engine_flags == {
         "max-num-seqs": ["8"],
-        "enforce-eager": [],
         "gpu-memory-utilization": ["0.5"],
         "speculative-config": ['{"x":1}'],
         "seed": ["-1"],

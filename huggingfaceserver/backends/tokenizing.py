@@ -16,6 +16,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, MiB, ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
+from ..encoders.base import to_device
 from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ..encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError
@@ -144,14 +145,18 @@ def results_by_kind(
     task: EncoderTask, raw: torch.Tensor, batch: BatchEncoding, kinds: list[str]
 ) -> list[Any]:
     """A result per row of a merged batch, of the kind (an :class:`Output`) its request asked
-    for: rows of one kind are shaped together."""
+    for: rows of one kind are shaped together, their part of the batch taken on the host and
+    their part of the output where it is."""
     if all(kind == kinds[0] for kind in kinds):
         return task.results_for(Output(kinds[0]), raw, batch)
+    import torch
+
     out: list[Any] = [None] * len(kinds)
     for kind in set(kinds):
         index = [i for i, k in enumerate(kinds) if k == kind]
         sub = BatchEncoding({key: value[index] for key, value in batch.items()})
-        part = task.results_for(Output(kind), raw[index], sub)
+        rows = to_device(torch.tensor(index), raw.device)
+        part = task.results_for(Output(kind), raw.index_select(0, rows), sub)
         for i, result in zip(index, part, strict=True):
             out[i] = result
     return out
@@ -216,8 +221,13 @@ class TokenizingEncoder(EncoderBackend):
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""
 
     def load_head(self) -> None:
-        """What makes results of the model's outputs, where they are made (here: on CPU)."""
-        self.task.load_head("cpu")
+        """What makes results of the model's outputs, where they are: on
+        :meth:`results_device`."""
+        self.task.load_head(self.results_device())
+
+    def results_device(self) -> str:
+        """Where the model's outputs are, and their results are made (here: on the CPU)."""
+        return "cpu"
 
     def batch_tokens(self) -> int:
         """Padded tokens per forward pass: ``--max_batch_tokens``, within what a sparse

@@ -52,6 +52,13 @@ class EncoderTask(ABC):
     ``results`` runs in a worker thread with the model's raw output (logits, or the last
     hidden state for embeddings) and returns one plain Python value per instance: the V1
     prediction. ``v2_outputs`` turns those into Open Inference Protocol tensors.
+
+    The raw output is on the model's device and the batch (the collated inputs) on the host.
+    Each result method computes for the whole batch where the output is and reads the device
+    once, its small final result: on a GPU every read makes the host wait for the device, so
+    reads row by row would cost a wait per row. What it needs of the batch there (a mask) it
+    copies to the output's device; what it needs on the host (lengths, offsets, positions) it
+    reads from the batch, with NumPy.
     """
 
     task: ClassVar[Task]
@@ -120,13 +127,23 @@ class EncoderTask(ABC):
             return str(self.labels[index])
         return str(index)
 
-    def score_dict(self, logits: torch.Tensor) -> dict[str, float]:
-        """``{class: probability}`` (4 decimals) or ``{class: raw logit}``, per the flags."""
+    def score_values(self, logits: torch.Tensor) -> Any:
+        """``logits`` ``[..., classes]`` as the values of score dicts, in nested lists of its
+        shape: probabilities or raw logits, per the flags, read from the device once."""
+        values = logits.float()
         if self.options.return_probabilities:
-            values = [round(p, 4) for p in logits.float().softmax(dim=-1).tolist()]
-        else:
-            values = logits.float().tolist()
-        return {self.label_key(i): v for i, v in enumerate(values)}
+            values = values.softmax(dim=-1)
+        return values.tolist()
+
+    def score_dicts(self, rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+        """Per row of :meth:`score_values`, ``{class: probability}`` (4 decimals) or
+        ``{class: raw logit}``."""
+        if not rows:
+            return []
+        keys = [self.label_key(i) for i in range(len(rows[0]))]
+        if self.options.return_probabilities:
+            return [{k: round(p, 4) for k, p in zip(keys, row, strict=True)} for row in rows]
+        return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
 def unsupported_output(output: Output | str, task: Task) -> str:
@@ -138,8 +155,23 @@ def output_type(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
 
 
 def lengths(batch: BatchEncoding) -> list[int]:
-    """Real (unpadded) token count of each row."""
-    return batch["attention_mask"].sum(dim=1).tolist()
+    """Real (unpadded) token count of each row, from the batch on the host."""
+    return host_array(batch, "attention_mask").sum(axis=1).tolist()
+
+
+def host_array(batch: BatchEncoding, key: str) -> np.ndarray:
+    """One of the batch's inputs as a NumPy view: the batch is collated on the host, and what
+    is computed from it there stays off the device and reads nothing from it."""
+    return batch[key].numpy()
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, without the host waiting: torch's plain copy to a CUDA
+    device waits until the work queued there (the model's forward) has run, a copy from pinned
+    memory with ``non_blocking`` is queued after it. Elsewhere (a CPU), a plain ``to``."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def bytes_output(name: str, values: Sequence[Any], shape: list[int] | None = None) -> InferOutput:

@@ -9,7 +9,15 @@ from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
 from ..tasks import Task
-from .base import EncoderTask, bytes_output, lengths, output_type, pad_rows, tensor_output
+from .base import (
+    EncoderTask,
+    bytes_output,
+    host_array,
+    lengths,
+    output_type,
+    pad_rows,
+    tensor_output,
+)
 from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
@@ -57,7 +65,7 @@ class SequenceClassification(EncoderTask):
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         if self.options.scores:
-            return [self.score_dict(row) for row in raw]
+            return self.score_dicts(self.score_values(raw))
         if self.scored:
             return self.scores(raw, batch)
         classes = raw.argmax(dim=-1).tolist()
@@ -104,22 +112,25 @@ class TokenClassification(EncoderTask):
         return self.options.return_offsets_mapping
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
-        out: list[Any] = []
-        offsets = batch.get("offset_mapping")
-        for i, (row, length) in enumerate(zip(raw, lengths(batch), strict=True)):
-            row = row[:length]
-            if self.options.scores:
-                prediction: Any = [self.score_dict(token) for token in row]
-            else:
-                classes = row.argmax(dim=-1).tolist()
-                if self.options.return_labels:
-                    classes = [self.label_key(c) for c in classes]
-                prediction = [classes]
-            if offsets is not None:
-                out.append((prediction, offsets[i][:length].tolist()))
-            else:
-                out.append(prediction)
-        return out
+        """Each row's tokens, padding left out: the whole batch's scores or classes are read
+        from the device at once, then cut into rows on the host."""
+        sizes = lengths(batch)
+        predictions: list[Any]
+        if self.options.scores:
+            values = self.score_values(raw)
+            predictions = [self.score_dicts(row[:n]) for row, n in zip(values, sizes, strict=True)]
+        else:
+            rows = [row[:n] for row, n in zip(raw.argmax(dim=-1).tolist(), sizes, strict=True)]
+            if self.options.return_labels:
+                rows = [[self.label_key(c) for c in row] for row in rows]
+            predictions = [[row] for row in rows]
+        if "offset_mapping" not in batch:
+            return predictions
+        offsets = host_array(batch, "offset_mapping")
+        return [
+            (prediction, offsets[i, :n].tolist())
+            for i, (prediction, n) in enumerate(zip(predictions, sizes, strict=True))
+        ]
 
     def _split(self, results: list[Any]) -> tuple[list[Any], list[Any] | None]:
         if not self.options.return_offsets_mapping:

@@ -11,7 +11,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..loading import ModelSource
 from ..tasks import Task
-from .base import EncoderOptions, EncoderTask, lengths, output_type, tensor_output
+from .base import EncoderOptions, EncoderTask, lengths, output_type, tensor_output, to_device
 from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
@@ -58,9 +58,13 @@ class TextEmbedding(EncoderTask):
     def vectors(
         self, raw: torch.Tensor, batch: BatchEncoding, normalized: bool = True
     ) -> torch.Tensor:
+        """The batch's vectors on the output's device (its masks copied there)."""
         assert self.head is not None, "load_head() first"
-        mask = batch["attention_mask"]
-        return self.head.vectors(raw, mask, batch.get("pooling_mask"), normalized)
+        mask = to_device(batch["attention_mask"], raw.device)
+        pooling_mask = batch.get("pooling_mask")
+        if pooling_mask is not None:
+            pooling_mask = to_device(pooling_mask, raw.device)
+        return self.head.vectors(raw, mask, pooling_mask, normalized)
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         return self.vectors(raw, batch).tolist()
@@ -74,10 +78,10 @@ class TextEmbedding(EncoderTask):
         return self.vectors(raw, batch, normalized=False).tolist()
 
     def token_states(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
-        """Each row's tokens' last hidden states, unpooled (padding left out)."""
-        return [
-            row[:length].float().tolist() for row, length in zip(raw, lengths(batch), strict=True)
-        ]
+        """Each row's tokens' last hidden states, unpooled (padding left out): the whole
+        batch's copied to the host at once, then cut into rows there."""
+        states = raw.float().cpu().numpy()
+        return [states[i, :length].tolist() for i, length in enumerate(lengths(batch))]
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         return [tensor_output("output-0", np.array(results, dtype=np.float32), "FP32")]

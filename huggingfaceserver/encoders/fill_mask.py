@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -10,7 +11,7 @@ from transformers import BatchEncoding
 
 from ..errors import BadRequest, StartupError
 from ..tasks import Task
-from .base import EncoderTask, bytes_output, output_type
+from .base import EncoderTask, bytes_output, host_array, output_type, to_device
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
@@ -45,14 +46,19 @@ class FillMask(EncoderTask):
         return str(index)  # score dicts are keyed by vocabulary id
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
-        out: list[Any] = []
-        for row, ids in zip(raw, batch["input_ids"], strict=True):
-            masked = row[ids == self.tokenizer.mask_token_id]  # [masks, vocab]
-            if self.options.scores:
-                out.append([self.score_dict(logits) for logits in masked])
-            else:
-                out.append(self.tokenizer.decode(masked.argmax(dim=-1).tolist()))
-        return out
+        """The masks' logits gathered on the device at positions found on the host (no
+        boolean mask of a device tensor, which waits to learn its size), and read once."""
+        import torch
+
+        rows, columns = np.nonzero(host_array(batch, "input_ids") == self.tokenizer.mask_token_id)
+        positions = to_device(torch.from_numpy(np.stack([rows, columns])), raw.device)
+        masked = raw[positions[0], positions[1]]  # [masks, vocab], the rows' masks in turn
+        ends = np.cumsum(np.bincount(rows, minlength=len(raw))).tolist()
+        if self.options.scores:
+            dicts = self.score_dicts(self.score_values(masked))
+            return [dicts[start:end] for start, end in pairwise([0, *ends])]
+        ids = masked.argmax(dim=-1).tolist()
+        return [self.tokenizer.decode(ids[start:end]) for start, end in pairwise([0, *ends])]
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:
         return [bytes_output("output-0", results)]

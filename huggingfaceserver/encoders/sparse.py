@@ -3,6 +3,7 @@ sentence-transformers' ``SparseEncoder.encode`` gives it."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,7 +12,7 @@ from transformers import BatchEncoding
 
 from ..sentence.config import SpladePooling
 from ..tasks import Task
-from .base import EncoderTask, output_type, pad_rows, tensor_output
+from .base import EncoderTask, output_type, pad_rows, tensor_output, to_device
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
@@ -45,21 +46,24 @@ class SparseEmbedding(EncoderTask):
         return max(1, VOCABULARY_LOGITS_BYTES // (4 * max(1, vocabulary)))
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
+        """The term weights on the output's device, their non-zero terms (a read: the host
+        learns how many), then rows, terms and values packed into one tensor and read at once
+        (float64 holds the indices exactly and the float32 values as they are)."""
         import torch
 
         from ..sentence.pooling import splade
 
         with torch.inference_mode():
-            weights = splade(
-                raw.float(), batch["attention_mask"], self.pooling.strategy, self.pooling.activation
-            )
+            mask = to_device(batch["attention_mask"], raw.device)
+            weights = splade(raw.float(), mask, self.pooling.strategy, self.pooling.activation)
             rows, terms = weights.nonzero(as_tuple=True)
-            values = weights[rows, terms]
-            counts = torch.bincount(rows, minlength=weights.shape[0]).tolist()
-        indices, kept = terms.split(counts), values.split(counts)
+            packed = torch.stack([rows.double(), terms.double(), weights[rows, terms].double()])
+        found = packed.cpu().numpy()
+        terms_at, values_at = found[1].astype(np.int64), found[2]
+        ends = np.cumsum(np.bincount(found[0].astype(np.int64), minlength=len(raw))).tolist()
         return [
-            {"indices": i.tolist(), "values": v.tolist()}
-            for i, v in zip(indices, kept, strict=True)
+            {"indices": terms_at[start:end].tolist(), "values": values_at[start:end].tolist()}
+            for start, end in pairwise([0, *ends])
         ]
 
     def v2_outputs(self, results: list[Any]) -> list[InferOutput]:

@@ -11,13 +11,15 @@ the dispatcher, and under ``torch.inference_mode`` neither does the scalar read 
 and scalar reads made inside other ops).
 
 With ``device`` a CPU, every read of values counts, since the same code reads the device's
-tensors on a GPU; with an accelerator, only reads and copies of tensors on it.
+tensors on a GPU; with an accelerator, only reads and copies of tensors on it. Tensors that stay
+on the host whatever the device (``host``: a batch's inputs as the tokenizer made them) never
+count: reading them waits for nothing on a GPU either.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,8 +35,17 @@ dispatcher does not show a mode under ``torch.inference_mode``: they are counted
 TRANSFERS = frozenset({"cpu", "to", "copy_"})
 """Tensor methods that may copy to the host."""
 aten = torch.ops.aten
-VALUE_SIZED = frozenset({aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default})
-"""Ops whose output's size depends on the values: the host waits to learn it."""
+VALUE_SIZED = frozenset(
+    {
+        aten.nonzero.default,
+        aten.nonzero_numpy.default,
+        aten.masked_select.default,
+        aten.unique_dim.default,
+    }
+)
+"""Ops whose output's size depends on the values: the host waits to learn it
+(``nonzero(as_tuple=True)`` reaches the dispatcher as ``nonzero_numpy`` under inference mode,
+as ``nonzero`` otherwise)."""
 INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
 """Indexing, which waits (through ``nonzero``) when an index is a boolean mask."""
 
@@ -43,8 +54,12 @@ class SyncCounter:
     """Counts host synchronisations on ``device`` while entered (``with counter: ...``); the
     counts by cause are in :attr:`counts`, their sum in :attr:`total`."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", host: Iterable[torch.Tensor] = ()):
         self.device = torch.device(device)
+        self.host = list(host)
+        """Tensors kept on the host: their reads are not counted (the tensors themselves, not
+        what is computed from them)."""
+        self._host_ids = {id(tensor) for tensor in self.host}
         self.counts: Counter[str] = Counter()
         self._modes: list[Any] = []
         self.reading = False
@@ -86,7 +101,7 @@ class SyncCounter:
 
     def watched(self, tensor: Any) -> bool:
         """Whether reading ``tensor`` waits for the device."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self._host_ids:
             return False
         return self.device.type == "cpu" or tensor.device.type == self.device.type
 

@@ -134,8 +134,8 @@ class SentenceHead:
         pooling_mask: torch.Tensor | None = None,
         normalized: bool = True,
     ) -> torch.Tensor:
-        """``[B, S, H]`` token states to ``[B, D]`` float32 vectors; ``normalized=False``
-        leaves out a last normalisation."""
+        """``[B, S, H]`` token states to ``[B, D]`` float32 vectors, on their device (the
+        masks are there too); ``normalized=False`` leaves out a last normalisation."""
         steps = self.steps if normalized or not self.normalized else self.steps[:-1]
         with torch.inference_mode():
             x = pool(hidden.float(), attention_mask, self.pooling.modes, pooling_mask)

@@ -50,3 +50,24 @@ def test_a_modules_own_waits_are_told_apart() -> None:
     with counter, counter.separating(module):
         module(torch.ones(2)).tolist()
     assert (counter.in_module, counter.outside_module) == (1, 1)
+
+
+def test_the_hosts_own_tensors_do_not_count() -> None:
+    """A batch collated on the host is read there whatever the device; what is computed from
+    it is not the batch, and counts."""
+    batch = torch.arange(6).reshape(2, 3)
+    with SyncCounter(host=[batch]) as counter:
+        batch.tolist(), batch.numpy()
+    assert counter.total == 0
+    with SyncCounter(host=[batch]) as counter:
+        batch.sum(dim=1).tolist()
+    assert counter.counts == {"tolist": 1}
+
+
+def test_nonzero_as_a_tuple_counts_under_inference_mode() -> None:
+    for inference in (True, False):
+        with torch.inference_mode(inference):
+            t = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+            with SyncCounter() as counter:
+                t.nonzero(as_tuple=True)
+        assert counter.total == 1, inference

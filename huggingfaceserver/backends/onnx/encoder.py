@@ -137,6 +137,11 @@ class OnnxEncoder(TransformersEncoder):
         )
         return session
 
+    def results_device(self) -> str:
+        """The runtime's outputs are NumPy arrays on the host; torch's (the fallback) are on
+        its device."""
+        return "cpu" if self.session is not None else super().results_device()
+
     def release_model(self) -> None:
         self.session = None  # the session holds the weights (and its threads)
         super().release_model()

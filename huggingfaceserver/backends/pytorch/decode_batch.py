@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from .kv_cache import ReservedCache, full_attention_layers
+from .step_graphs import StepGraphs
 
 
 class DecodeBatch(ABC):
@@ -245,11 +246,22 @@ class CausalLMBatch(DecodeBatch):
 class ReservedCausalLMBatch(CausalLMBatch):
     """A decoder-only model whose cache is full attention in every layer: the cache is a
     :class:`~.kv_cache.ReservedCache` (its mask is the batch's), written in place; batches
-    absorb each other and split."""
+    absorb each other and split. A decode step hands the model its attention mask ready-made
+    (:meth:`~.kv_cache.ReservedCache.step_mask`), and with ``graphs`` replays a recorded one
+    where it can (:mod:`.step_graphs`)."""
 
-    def __init__(self, model: PreTrainedModel, cache: ReservedCache):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: ReservedCache,
+        graphs: StepGraphs | None = None,
+        ready_masks: bool = True,
+    ):
         super().__init__(model)
         self.cache = cache
+        self.graphs = graphs if ready_masks else None
+        self.ready_masks = ready_masks
+        """Whether decode steps hand the model a ready 4-D mask (:func:`takes_ready_masks`)."""
 
     @staticmethod
     def cache_layers(model: PreTrainedModel) -> int:
@@ -281,6 +293,37 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def _extend(self, tokens: int) -> torch.Tensor:
         return self.cache.reserve(tokens)
 
+    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        if self.graphs is not None:
+            self.graphs.bucket(self.cache)  # rows for the padding first: it may move buffers
+        mask = self.cache.reserve(1)
+        column = self._column(tokens)
+        logits = self.graphs.step(self, column) if self.graphs is not None else None
+        if logits is not None:
+            self.cache.advance(1)
+        else:
+            if self.ready_masks:
+                mask = self.cache.step_mask(self.model.dtype)
+            logits = self._forward(column, self.positions[:, None], mask)[:, -1]
+        self.positions = self.positions + 1
+        return logits
+
+    def forward_whole(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step's logits ``[rows, 1, V]`` from a forward over the cache's whole
+        buffers (inside :meth:`~.kv_cache.ReservedCache.writing_at`; the caller advances the
+        cache)."""
+        output = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+            **self.extra,
+        )
+        return output.logits
+
     def keep(self, rows: list[int]) -> None:
         self.cache.select_rows(rows)
         self.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
@@ -298,7 +341,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return True
 
     def split(self, rows: list[int]) -> DecodeBatch:
-        taken = ReservedCausalLMBatch(self.model, self.cache.take_rows(rows))
+        taken = ReservedCausalLMBatch(
+            self.model, self.cache.take_rows(rows), self.graphs, self.ready_masks
+        )
         taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
         taken.cache.trim()
         moved = set(rows)
@@ -306,6 +351,28 @@ class ReservedCausalLMBatch(CausalLMBatch):
         if kept:
             self.keep(kept)
         return taken
+
+
+def takes_ready_masks(model: PreTrainedModel, cache_layers: int) -> bool:
+    """Whether the model's decode steps give the same logits with a ready 4-D mask as with
+    the 2-D one it would build its mask from: transformers' models take either, but a model's
+    own code (``trust_remote_code``) may expand the mask itself. Probed once, at load, on two
+    left-padded prompts of a few tokens."""
+    batches = [
+        ReservedCausalLMBatch(model, ReservedCache(cache_layers, 2, model.device), None, ready)
+        for ready in (False, True)
+    ]
+    vocab = int(model.config.get_text_config().vocab_size)
+    prompts = [[1 % vocab, 2 % vocab, 3 % vocab], [4 % vocab]]
+    try:
+        with torch.inference_mode():
+            steps = []
+            for batch in batches:
+                batch.prefill_together(prompts, [1, 1])
+                steps.append(batch.step([5 % vocab, 6 % vocab]).float())
+    except Exception:  # noqa: BLE001 - a model that refuses it does not take it
+        return False
+    return bool(torch.allclose(steps[0], steps[1], atol=1e-3, rtol=1e-3))
 
 
 class Seq2SeqBatch(DecodeBatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -11,11 +12,23 @@ import transformers
 from transformers import BatchEncoding
 
 from ...cli import ServerConfig
+from ...encoders.base import to_device
 from ...loading import ModelSource, device, load_pretrained, resolve_dtype
 from ..tokenizing import EncoderFacts, TokenizingEncoder
 from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads
 
 logger = logging.getLogger(__name__)
+
+
+def model_inputs_on(
+    device: torch.device, batch: BatchEncoding, names: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """The batch's inputs that the model takes (``names``), on ``device`` in one copy: they are
+    all int64 ``[B, T]``, stacked into one tensor on the host, copied (see :func:`to_device`)
+    and unbound there, rather than one copy each."""
+    keys = [key for key in batch if key in names]
+    packed = to_device(torch.stack([batch[key] for key in keys]), device)
+    return dict(zip(keys, packed.unbind(), strict=True))
 
 
 class TransformersEncoder(TokenizingEncoder):
@@ -61,12 +74,17 @@ class TransformersEncoder(TokenizingEncoder):
             batch["token_type_ids"] = torch.zeros_like(ids)
         return BatchEncoding(batch)
 
+    def results_device(self) -> str:
+        """The model's device, where its outputs stay."""
+        return str(self.device)
+
     def forward(self, batch: BatchEncoding) -> torch.Tensor:
-        """The model's raw output for the task: logits, or the last hidden state."""
-        inputs = {k: v.to(self.device) for k, v in batch.items() if k in self.model_inputs}
+        """The model's raw output for the task (logits, or the last hidden state), left on its
+        device: the task reads there only its small results."""
+        inputs = model_inputs_on(self.device, batch, self.model_inputs)
         with torch.inference_mode():
             output = self.model(**inputs, return_dict=True)
-        return getattr(output, self.task.output_field).cpu()
+        return getattr(output, self.task.output_field)
 
     def forward_batch(self, batch: BatchEncoding) -> torch.Tensor:
         return self.forward(batch)

@@ -33,10 +33,17 @@ from ...tasks import Task
 from ..base import GenerationBackend, release_weights, unloaded
 from ..loop_calls import LoopCalls
 from ..tokenizing import UNSET_MAX_LENGTH
-from .decode_batch import CausalLMBatch, DecodeBatch, ReservedCausalLMBatch, Seq2SeqBatch
+from .decode_batch import (
+    CausalLMBatch,
+    DecodeBatch,
+    ReservedCausalLMBatch,
+    Seq2SeqBatch,
+    takes_ready_masks,
+)
 from .decode_loop import ContinuousBatcher, Request
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
+from .step_graphs import StepGraphs, cuda_graph
 from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads, most_calibration_forwards
 
 logger = logging.getLogger(__name__)
@@ -135,6 +142,20 @@ class TransformersGenerator(GenerationBackend):
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
         )
         """Layers of a reserved KV cache for this model; 0: transformers' own cache."""
+        self.ready_masks = bool(self.cache_layers) and takes_ready_masks(model, self.cache_layers)
+        """Whether decode steps hand the model a ready 4-D attention mask."""
+        if self.cache_layers and not self.ready_masks:
+            logger.warning(
+                "%s's decode steps do not take a ready-made attention mask: each forward "
+                "builds its own (and waits for the device once), no CUDA graphs",
+                type(model).__name__,
+            )
+        self.graphs = (
+            StepGraphs(self.max_rows, cuda_graph)
+            if self.ready_masks and self.device.type == "cuda" and not self.config.enforce_eager
+            else None
+        )
+        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache)."""
         self.batcher = ContinuousBatcher(
             self.new_batch,
             self.max_rows,
@@ -253,7 +274,7 @@ class TransformersGenerator(GenerationBackend):
         if self.decoder_start_token_id is None:
             if self.cache_layers:
                 cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
-                return ReservedCausalLMBatch(self.model, cache)
+                return ReservedCausalLMBatch(self.model, cache, self.graphs, self.ready_masks)
             return CausalLMBatch(self.model)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
 

@@ -15,8 +15,13 @@ right-aligned to the last column: the running rows are not copied. Only a prompt
 columns in use moves them (and a full buffer, when it grows). Rows that finish are dropped by
 moving the kept ones up (:meth:`ReservedCache.select_rows`), once per finish, not per step.
 
-This is the layout a compiled or CUDA-graphed decode step needs later (buffers of fixed shape,
-written in place, a mask marking what they hold); here the buffers still grow, in large steps.
+A decode step's attention mask is handed to the model ready-made (:meth:`ReservedCache.step_mask`,
+``[rows, 1, 1, columns]``, added to the attention scores): transformers then skips building one
+from the 2-D mask, and with it a check of whether that mask is all ones, which waits for the
+device every forward. A CUDA-graphed step (:mod:`.step_graphs`) runs the forward over the whole
+buffers (:meth:`ReservedCache.writing_at`): the layers write at a column held in a device tensor
+and attend over every column, the mask hiding those not in use, so that the same recorded
+kernels serve every step until the buffers are replaced (:attr:`ReservedCache.layout`).
 
 Through transformers' public cache API: a :class:`~transformers.cache_utils.Cache` of
 :class:`ReservedLayer` (a :class:`~transformers.cache_utils.CacheLayerMixin`); the model calls
@@ -29,7 +34,9 @@ it was.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +45,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
+
+
+@dataclass(frozen=True)
+class WholeBuffers:
+    """A forward over the first ``rows`` rows of the whole buffers."""
+
+    column: torch.Tensor
+    """``[1]``: the column each row's new keys and values go to, on the device."""
+    rows: int
 
 
 def full_attention_layers(config: PretrainedConfig) -> int:
@@ -86,6 +102,13 @@ class ReservedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
+        whole = cache.whole
+        if whole is not None:  # the same kernels whatever the step's column
+            keys, values = self.key_buffer[: whole.rows], self.value_buffer[: whole.rows]
+            keys.index_copy_(2, whole.column, key_states)
+            values.index_copy_(2, whole.column, value_states)
+            self.keys, self.values = keys, values
+            return keys, values
         rows, end = cache.rows, cache.end
         if key_states.shape[0] != rows or end + key_states.shape[-2] > cache.column_capacity:
             raise ValueError(
@@ -144,6 +167,11 @@ class ReservedCache(Cache):
         self.row_capacity = 0
         self.column_capacity = 0
         self.mask_buffer = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.layout = 0
+        """Counts the times the buffers were replaced (grown): what was recorded over the old
+        ones (a CUDA graph) no longer applies."""
+        self.whole: WholeBuffers | None = None
+        """Set while a forward runs over the whole buffers (:meth:`writing_at`)."""
         self.reserved_layers = [ReservedLayer(self) for _ in range(num_layers)]
         """:attr:`layers`, typed as what they are."""
         super().__init__(layers=list(self.reserved_layers))
@@ -170,6 +198,41 @@ class ReservedCache(Cache):
         self.mask_buffer[: self.rows, self.end : self.end + tokens] = 1
         return self.mask_buffer[: self.rows, self.start : self.end + tokens]
 
+    def step_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """After :meth:`reserve` of one column: the decode step's attention mask, ready for the
+        model, ``[rows, 1, 1, columns in use]``, 0 where a row holds a token and the dtype's
+        lowest value on its padding (added to the attention scores, eager or SDPA alike)."""
+        held = self.mask_buffer[: self.rows, self.start : self.end + 1]
+        return (1 - held).to(dtype)[:, None, None, :] * torch.finfo(dtype).min
+
+    def whole_step_mask(self, out: torch.Tensor) -> None:
+        """After :meth:`reserve` of one column: :meth:`step_mask` over every column of the
+        buffers, written into ``out`` (``[bucket rows, 1, 1, column capacity]``); the rows past
+        :attr:`rows` (padding a batch up to a recorded size) attend to every column, so that
+        their (unused) outputs stay finite."""
+        lowest = torch.finfo(out.dtype).min
+        out[: self.rows].fill_(lowest)
+        out[self.rows :].zero_()
+        held = self.mask_buffer[: self.rows, self.start : self.end + 1]
+        out[: self.rows, 0, 0, self.start : self.end + 1] = (1 - held).to(out.dtype) * lowest
+
+    def fit_rows(self, rows: int) -> None:
+        """Buffers of at least ``rows`` rows (a batch padded up to a recorded size)."""
+        self._fit(rows, self.end)
+
+    @contextmanager
+    def writing_at(self, column: torch.Tensor, rows: int) -> Iterator[None]:
+        """While in the block, forwards write their one new token per row at ``column`` (a
+        ``[1]`` device tensor) and attend over every column of the buffers' first ``rows`` rows:
+        the mask (:meth:`whole_step_mask`) hides the columns not in use. The same kernels then
+        serve every step (as a CUDA graph records them). Call :meth:`advance` after, as for
+        any forward."""
+        self.whole = WholeBuffers(column, rows)
+        try:
+            yield
+        finally:
+            self.whole = None
+
     def advance(self, tokens: int) -> None:
         """The reserved columns now hold the forward's keys and values."""
         self.end += tokens
@@ -190,6 +253,7 @@ class ReservedCache(Cache):
             self.column_capacity = stop + max(stop // 2, MIN_GROWTH)
         for layer in self.reserved_layers:
             layer.relayout(self.rows, move_to)
+        self.layout += 1
         mask = torch.zeros(
             self.row_capacity, self.column_capacity, dtype=torch.long, device=self.device
         )

@@ -77,6 +77,8 @@ def engine_argv(
         argv += ["--max-model-len", str(config.max_length)]
     if config.trust_remote_code:
         argv.append("--trust-remote-code")
+    if config.enforce_eager:  # one flag, one meaning on both backends: no CUDA graphs
+        argv.append("--enforce-eager")
     if kv_cache_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if not source.task.is_generative:

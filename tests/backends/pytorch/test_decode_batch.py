@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
-from huggingfaceserver.backends.pytorch.decode_batch import CausalLMBatch, DecodeBatch
+from huggingfaceserver.backends.pytorch.decode_batch import (
+    CausalLMBatch,
+    DecodeBatch,
+    takes_ready_masks,
+)
 
 from .generation_helpers import PROMPTS, prompt
 
@@ -143,3 +148,26 @@ def test_a_sequence_to_sequence_prompt_runs_whole(backends) -> None:
     assert not batch.prefills_in_parts
     with pytest.raises(NotImplementedError):
         batch.prefill_part([1, 2], 0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_transformers_models_take_a_ready_step_mask(backends, name: str) -> None:
+    backend = backends(name)
+    assert takes_ready_masks(backend.model, backend.cache_layers)
+    assert backend.ready_masks
+
+
+class ExpandsItsOwnMask(LlamaForCausalLM):
+    """Model code (as ``trust_remote_code`` brings) that reads any mask as the 2-D one."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kw):
+        if attention_mask is not None:
+            attention_mask = attention_mask.reshape(attention_mask.shape[0], -1)
+        return super().forward(input_ids, attention_mask, position_ids, cache, **kw)
+
+
+def test_a_model_that_misreads_a_ready_mask_keeps_the_2d_one(backends) -> None:
+    backend = backends("llama")
+    model = ExpandsItsOwnMask(backend.model.config).eval()
+    model.load_state_dict(backend.model.state_dict())
+    assert not takes_ready_masks(model, backend.cache_layers)

@@ -26,6 +26,7 @@ from huggingfaceserver.backends.pytorch.decode_loop import (
 )
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.backends.pytorch.sequence import SequenceState
+from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import NotReady
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.observability.syncs import SyncCounter
@@ -118,6 +119,22 @@ async def test_late_requests_join_the_batch_and_greedy_is_unchanged(backends, na
         assert choices[0].token_ids[: len(until_eos)] == until_eos
     assert max(sizes) == len(requests)  # all three decoded in one forward at some point
     assert all(choices[0].finish_reason == "length" for choices in together)
+
+
+async def test_graphed_decode_steps_give_the_tokens_eager_ones_give(backends) -> None:
+    """Requests joining at different times, their steps replayed from recorded graphs (on a
+    CPU: the same padded whole-buffer forward, run eagerly): the same greedy tokens."""
+    backend = backends("llama")
+    requests = [(prompt(backend, text), GREEDY) for text in reversed(PROMPTS)]
+    expected = await alone(backend, requests)
+    backend.graphs = graphs = StepGraphs(backend.max_rows, eager)
+    try:
+        with slow_forward(backend):
+            together = await staggered(backend, requests)
+    finally:
+        backend.graphs = None
+    assert tokens(together) == tokens(expected)
+    assert graphs.recordings >= 2 and graphs.broken is None  # buckets 1 and 2 at least
 
 
 async def test_each_request_keeps_its_own_settings(backends) -> None:
@@ -395,7 +412,8 @@ async def test_after_shutdown_requests_are_refused(tiny_models: dict[str, Path])
 async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
     """Rows of every kind admitted together: one host synchronisation per forward around the
     model (the step's tokens and logprobs), counted on the decode thread (1 on a GPU as on this
-    CPU); the model's forward adds at most one of its own."""
+    CPU). A decode step's forward adds none (its mask comes ready-made); a prompt's adds at most
+    one (transformers' SDPA mask check reads whether the padding mask is all ones)."""
     backend = backends("llama")
     ids = [prompt(backend, text) for text in PROMPTS]
     kinds = [
@@ -419,16 +437,16 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
     counter = SyncCounter()
     batcher = backend.batcher
     batcher.run_on_loop(counter.__enter__)  # the modes are the decode thread's
-    with forward_batch_sizes(backend) as sizes, counter.separating(backend.model):
+    with forward_shapes(backend) as shapes, counter.separating(backend.model):
         batcher.run_on_loop(lambda: [batcher.submit(request) for request in requests])
         for _ in requests:
             await asyncio.to_thread(finished.acquire)
     batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
-    assert max(sizes) == len(requests)
-    assert len(sizes) >= GREEDY.max_tokens  # type: ignore[operator]
-    assert counter.outside_module == len(sizes), counter.counts
-    # transformers' own: its SDPA mask check reads whether the padding mask is all ones
-    assert counter.in_module <= len(sizes), counter.counts
+    steps = [rows for rows, tokens in shapes if tokens == 1]
+    assert max(steps) == len(requests)
+    assert len(steps) >= GREEDY.max_tokens - 1  # type: ignore[operator]
+    assert counter.outside_module == len(shapes), counter.counts
+    assert counter.in_module <= len(shapes) - len(steps), counter.counts
 
 
 @pytest.fixture(scope="module")

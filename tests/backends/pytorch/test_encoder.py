@@ -6,10 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from huggingfaceserver.backends.batching import collate
+from huggingfaceserver.backends.pytorch.encoder import model_inputs_on
 from huggingfaceserver.errors import StartupError
 from tests.harness import client_for, load_model
 
@@ -90,3 +93,20 @@ async def test_dtype_loads_the_weights_in_that_dtype(encoder, tiny_models, flag,
     assert next(model.backend.model.parameters()).dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     assert torch.allclose(await logits_served(model), reference_logits(path), atol=tolerance)
+
+
+def test_the_model_inputs_go_to_the_device_in_one_copy():
+    rows = [
+        {"input_ids": np.array([2, 7, 9, 3]), "token_type_ids": np.array([0, 0, 1, 1])},
+        {"input_ids": np.array([2, 5, 3]), "token_type_ids": np.array([0, 0, 0])},
+    ]
+    batch = collate(rows, {"input_ids": 0})
+    batch["offset_mapping"] = torch.zeros(2, 4, 2, dtype=torch.int64)  # not the model's
+    names = {"input_ids", "attention_mask", "token_type_ids", "return_dict"}
+    inputs = model_inputs_on(torch.device("cpu"), batch, names)
+    assert list(inputs) == ["input_ids", "token_type_ids", "attention_mask"]
+    for name, tensor in inputs.items():
+        assert tensor.dtype == torch.int64 and torch.equal(tensor, batch[name])
+    # views of one tensor, copied once, not the batch's own
+    storage = {tensor.untyped_storage().data_ptr() for tensor in inputs.values()}
+    assert len(storage) == 1 and storage != {batch["input_ids"].untyped_storage().data_ptr()}

@@ -1,0 +1,181 @@
+"""Decode steps replayed as CUDA graphs: one recorded forward per batch-size bucket.
+
+A decode step of a model that fits one GPU launches hundreds of small kernels, and on a GPU the
+host takes longer to launch them than the device takes to run them. A CUDA graph records a
+step's kernels once and replays them with one call. As in vLLM, a graph is recorded per bucket
+of rows (1, 2, 4, 8, 16, ... up to ``--max_batch_size``); a batch runs in the smallest bucket
+that holds it, its rows padded up to it (their outputs unused).
+
+A graph replays the same kernels on the same memory, so the recorded forward reads its inputs
+from tensors kept here (each row's token, position and attention mask, and the column its keys
+and values go to) and runs over the whole buffers of the batch's
+:class:`~.kv_cache.ReservedCache` (:meth:`~.kv_cache.ReservedCache.writing_at`). When the cache
+replaces its buffers (it grew; another batch took over) the graphs are recorded again, lazily,
+per bucket. Where recording fails (an operation that waits for the device, a model whose
+forward depends on the step) the steps run eagerly from then on, the reason logged once.
+
+Off on a CPU, where launching a kernel costs no more than running it. The recording is a
+function given to :class:`StepGraphs`: :func:`cuda_graph` on a GPU, :func:`eager` in the tests,
+which then run the same padded, whole-buffer forward step by step on any machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kv_cache import ReservedCache
+
+if TYPE_CHECKING:
+    from .decode_batch import ReservedCausalLMBatch
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[], torch.Tensor]
+"""A decode step's forward over the inputs kept in :class:`StepInputs`: its logits."""
+Record = Callable[[Forward], Forward]
+"""Makes a forward replayable: the replay runs it again on the inputs' current values. It may
+run the forward while recording (its writes are the step's own: replaying repeats them)."""
+
+
+def bucket_sizes(max_rows: int) -> tuple[int, ...]:
+    """The rows a graph is recorded for: powers of two below ``max_rows``, then ``max_rows``."""
+    sizes = []
+    size = 1
+    while size < max_rows:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_rows)
+
+
+def bucket_for(rows: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds ``rows`` rows; None past the largest."""
+    return next((size for size in sizes if size >= rows), None)
+
+
+def eager(forward: Forward) -> Forward:
+    """No recording: every replay runs the forward (the tests' stand-in for a CUDA graph)."""
+    return forward
+
+
+def cuda_graph(forward: Forward) -> Forward:
+    """Record the forward as a CUDA graph, after a warm-up run on a side stream (lazy
+    initialisations and kernel choices happen outside the recording, as torch's docs ask);
+    the replay returns the recorded output tensor, refreshed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = forward()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+
+    return replay
+
+
+@dataclass
+class StepInputs:
+    """What a bucket's recorded forward reads, kept at fixed addresses."""
+
+    ids: torch.Tensor
+    """``[bucket, 1]``: each row's latest token."""
+    positions: torch.Tensor
+    """``[bucket, 1]``: each row's next position."""
+    mask: torch.Tensor
+    """``[bucket, 1, 1, column capacity]``: added to the attention scores."""
+    column: torch.Tensor
+    """``[1]``: the column the step's keys and values go to."""
+
+    @classmethod
+    def allocate(cls, rows: int, columns: int, dtype: torch.dtype, device: torch.device):
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        mask = torch.zeros(rows, 1, 1, columns, dtype=dtype, device=device)
+        return cls(longs(rows, 1), longs(rows, 1), mask, longs(1))
+
+
+class StepGraphs:
+    """The recorded decode steps of one model's reserved batches (used on the decode thread)."""
+
+    def __init__(self, max_rows: int, record: Record):
+        self.sizes = bucket_sizes(max_rows)
+        self.record = record
+        self.replays: dict[int, Forward] = {}
+        self.inputs: dict[int, StepInputs] = {}
+        self.over: tuple[ReservedCache, int] | None = None
+        """The cache (and its :attr:`~.kv_cache.ReservedCache.layout`) the graphs were recorded
+        over; held, so that its buffers outlive the graphs that write them."""
+        self.broken: str | None = None
+        """Why recording failed: the steps run eagerly."""
+        self.recordings = 0
+        """Graphs recorded so far."""
+
+    def bucket(self, cache: ReservedCache) -> int | None:
+        """The rows of the graph that serves the cache's batch (None: none does, run it
+        eagerly), the cache's buffers fitted to them. Before the step's
+        :meth:`~.kv_cache.ReservedCache.reserve` (fitting may move the buffers)."""
+        size = bucket_for(cache.rows, self.sizes)
+        if self.broken is not None or size is None:
+            return None
+        cache.fit_rows(size)
+        return size
+
+    def step(self, batch: ReservedCausalLMBatch, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Run a decode step from a recorded graph, after :meth:`bucket` and the cache's
+        :meth:`~.kv_cache.ReservedCache.reserve` of its column: the logits ``[rows, V]``
+        (valid until the next step), or None where no graph serves it (too many rows,
+        recording failed): run it eagerly."""
+        cache = batch.cache
+        size = self.bucket(cache)
+        if size is None:
+            return None
+        if self.over is None or self.over[0] is not cache or self.over[1] != cache.layout:
+            self.replays.clear()
+            self.inputs.clear()
+            self.over = (cache, cache.layout)
+        inputs = self.inputs.get(size)
+        if inputs is None:
+            dtype = batch.model.dtype
+            inputs = StepInputs.allocate(size, cache.column_capacity, dtype, cache.device)
+            self.inputs[size] = inputs
+        rows = cache.rows
+        inputs.ids[:rows, 0].copy_(tokens.view(-1))
+        inputs.positions[:rows, 0].copy_(batch.positions)
+        cache.whole_step_mask(inputs.mask)
+        inputs.column.fill_(cache.end)
+        replay = self.replays.get(size)
+        if replay is None:
+            replay = self._record(batch, size, inputs)
+            if replay is None:
+                return None
+        return replay()[:rows, -1]
+
+    def _record(
+        self, batch: ReservedCausalLMBatch, size: int, inputs: StepInputs
+    ) -> Forward | None:
+        cache = batch.cache
+
+        def forward() -> torch.Tensor:
+            with cache.writing_at(inputs.column, size):
+                return batch.forward_whole(inputs.ids, inputs.positions, inputs.mask)
+
+        try:
+            replay = self.record(forward)
+        except Exception as exc:  # noqa: BLE001 - any failure to record means: run eagerly
+            self.broken = f"{type(exc).__name__}: {exc}"
+            self.replays.clear()
+            logger.warning("decode steps run eagerly: recording one as a graph failed: %s", exc)
+            return None
+        self.recordings += 1
+        self.replays[size] = replay
+        return replay

@@ -1,0 +1,222 @@
+"""Decode steps replayed from recorded graphs: the bucket a batch runs in, its padding rows, the
+whole-buffer forward, recording again when the buffers change, and the eager fall back.
+
+On a CPU the recording is :func:`~huggingfaceserver.backends.pytorch.step_graphs.eager` (the
+same padded whole-buffer forward, run at every replay): every row's logits must equal those of
+the plain reserved batch, which ``test_kv_cache`` checks against transformers' own cache. The
+CUDA graph itself is checked where a GPU is (``gpu``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from huggingfaceserver.backends.pytorch import kv_cache
+from huggingfaceserver.backends.pytorch.decode_batch import ReservedCausalLMBatch
+from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
+from huggingfaceserver.backends.pytorch.step_graphs import (
+    Forward,
+    StepGraphs,
+    bucket_for,
+    bucket_sizes,
+    cuda_graph,
+    eager,
+)
+from huggingfaceserver.observability.syncs import SyncCounter
+
+from .generation_helpers import PROMPTS, prompt
+
+TEXTS = [*PROMPTS, "One two three four five six", "Why?", "The quick brown fox jumps over"]
+
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+"""float32 sums over more columns (masked ones add exact zeros) in another order: the tolerance
+``test_kv_cache`` gives a padded batch."""
+
+
+@pytest.fixture(autouse=True)
+def small_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers grow by 3 columns at least, so that a few steps cross their capacity."""
+    monkeypatch.setattr(kv_cache, "MIN_GROWTH", 3)
+
+
+def test_buckets_double_up_to_the_batch_limit() -> None:
+    assert bucket_sizes(32) == (1, 2, 4, 8, 16, 32)
+    assert bucket_sizes(12) == (1, 2, 4, 8, 12)
+    assert bucket_sizes(1) == (1,)
+    sizes = bucket_sizes(12)
+    assert [bucket_for(rows, sizes) for rows in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert bucket_for(13, sizes) is None
+
+
+class Counting:
+    """A recording that counts the graphs recorded, each replayed eagerly."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def __call__(self, forward: Forward) -> Forward:
+        self.recorded += 1
+        return forward
+
+
+def batch_pair(backend, graphs: StepGraphs, max_rows: int = 8):
+    """The same rows in a graphed batch and a plain one."""
+
+    def new(with_graphs: StepGraphs | None) -> ReservedCausalLMBatch:
+        cache = ReservedCache(backend.cache_layers, max_rows, backend.model.device)
+        return ReservedCausalLMBatch(backend.model, cache, with_graphs)
+
+    return new(graphs), new(None)
+
+
+def tokens(batch: ReservedCausalLMBatch, step: int, vocab: int) -> torch.Tensor:
+    """A column of tokens that differ per row and step."""
+    rows = torch.arange(batch.cache.rows)
+    return (rows * 7 + step * 13) % vocab
+
+
+def step_both(graphed, plain, step: int, vocab: int) -> None:
+    column = tokens(plain, step, vocab)
+    torch.testing.assert_close(graphed.step(column), plain.step(column), **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_graphed_steps_equal_eager_ones_as_rows_join_and_leave(backends, name: str) -> None:
+    """Rows join (3, then 6: buckets 4 and 8, padded), leave (2 left: bucket 2), and the
+    buffers grow on the way: every step's logits equal the plain batch's, and a graph is
+    recorded once per bucket and buffers, not per step."""
+    backend = backends(name)
+    recording = Counting()
+    graphs = StepGraphs(8, recording)
+    graphed, plain = batch_pair(backend, graphs)
+    vocab = backend.vocab_size
+    with torch.inference_mode():
+        first = [prompt(backend, text) for text in TEXTS[:3]]
+        for batch in (graphed, plain):
+            batch.prefill_together(first, [1, 1, 1])
+        for step in range(6):
+            step_both(graphed, plain, step, vocab)
+        assert graphed.cache.rows == 3 and set(graphs.replays) == {4}
+        steps_before_join = recording.recorded
+        assert steps_before_join <= 3  # once per layout of the buffers, not per step
+
+        later = [prompt(backend, text) for text in TEXTS[3:6]]
+        for batch in (graphed, plain):
+            joining = ReservedCausalLMBatch(
+                backend.model, ReservedCache(backend.cache_layers, 8, backend.model.device)
+            )
+            joining.prefill_together(later, [1, 1, 1])
+            assert batch.absorb(joining)
+        for step in range(6, 14):
+            step_both(graphed, plain, step, vocab)
+        assert graphed.cache.rows == 6 and 8 in graphs.replays
+
+        for batch in (graphed, plain):
+            batch.keep([1, 4])
+        for step in range(14, 20):
+            step_both(graphed, plain, step, vocab)
+        assert 2 in graphs.replays
+    assert graphs.broken is None
+    assert recording.recorded == graphs.recordings
+    assert recording.recorded <= 12  # 3 buckets, over a few layouts of the buffers
+    assert graphed.cache.layout >= 2  # the buffers did grow while graphs were recorded
+
+
+def test_the_rows_padding_a_bucket_attend_to_every_column(backends) -> None:
+    backend = backends("llama")
+    graphs = StepGraphs(8, eager)
+    graphed, plain = batch_pair(backend, graphs)
+    with torch.inference_mode():
+        ids = [prompt(backend, text) for text in TEXTS[:3]]
+        for batch in (graphed, plain):
+            batch.prefill_together(ids, [1, 1, 1])
+        step_both(graphed, plain, 0, backend.vocab_size)
+    mask = graphs.inputs[4].mask
+    assert mask.shape == (4, 1, 1, graphed.cache.column_capacity)
+    assert (mask[3] == 0).all()  # the padding row: every column, finite outputs
+    lowest = torch.finfo(mask.dtype).min
+    for row in range(3):  # a real row: its tokens and the step's column only
+        held = graphed.cache.mask_buffer[row, : graphed.cache.end].bool()
+        assert (mask[row, 0, 0, : graphed.cache.end][held] == 0).all()
+        assert (mask[row, 0, 0, : graphed.cache.end][~held] == lowest).all()
+        assert (mask[row, 0, 0, graphed.cache.end :] == lowest).all()
+
+
+def test_a_recording_that_fails_leaves_the_steps_eager(backends, caplog) -> None:
+    backend = backends("llama")
+    calls = []
+
+    def failing(forward: Forward) -> Forward:
+        calls.append(forward)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = StepGraphs(8, failing)
+    graphed, plain = batch_pair(backend, graphs)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        ids = prompt(backend, PROMPTS[0])
+        for batch in (graphed, plain):
+            batch.prefill(ids, 2)
+        for step in range(5):
+            step_both(graphed, plain, step, backend.vocab_size)
+    assert len(calls) == 1
+    assert graphs.broken == "RuntimeError: operation not permitted when stream is capturing"
+    warnings = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "stream is capturing" in warnings[0]
+
+
+def test_a_batch_past_the_largest_bucket_runs_eagerly(backends) -> None:
+    backend = backends("llama")
+    recording = Counting()
+    graphs = StepGraphs(2, recording)
+    graphed, plain = batch_pair(backend, graphs)
+    with torch.inference_mode():
+        ids = prompt(backend, PROMPTS[0])
+        for batch in (graphed, plain):
+            batch.prefill(ids, 3)
+        step_both(graphed, plain, 0, backend.vocab_size)
+    assert recording.recorded == 0 and graphs.broken is None
+
+
+def test_a_graphed_step_does_not_wait_for_the_device(backends) -> None:
+    """Inputs copied into the recorded ones, the replay, the logits: no read of values (the
+    model's own mask check included: the mask comes ready-made)."""
+    backend = backends("llama")
+    graphed, _ = batch_pair(backend, StepGraphs(8, eager))
+    with torch.inference_mode():
+        graphed.prefill(prompt(backend, PROMPTS[0]), 3)
+        column = tokens(graphed, 0, backend.vocab_size)
+        graphed.step(column)  # records
+        with SyncCounter() as counter:
+            for step in range(1, 4):
+                graphed.step(tokens(graphed, step, backend.vocab_size))
+    assert counter.total == 0, counter.counts
+
+
+needs_cuda: Callable[..., object] = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graphs_replay_what_eager_steps_compute(tiny_models) -> None:
+    from .generation_helpers import load
+
+    backend = load(tiny_models["llama"], "--dtype", "float32")
+    try:
+        assert backend.device.type == "cuda" and backend.graphs is not None
+        graphed, plain = batch_pair(backend, StepGraphs(8, cuda_graph))
+        with torch.inference_mode():
+            ids = [prompt(backend, text) for text in TEXTS[:3]]
+            for batch in (graphed, plain):
+                batch.prefill_together(ids, [1, 1, 1])
+            for step in range(40):
+                column = tokens(plain, step, backend.vocab_size).to(backend.device)
+                got, want = graphed.step(column), plain.step(column)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert graphed.graphs is not None and graphed.graphs.broken is None
+    finally:
+        backend.shutdown()
