@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import texts
 from .environment import Environment
+from .load import LoadResult
 from .raw import EncoderCeiling, GenerationCeiling
 from .runner import WorkloadResult
 from .stats import Spread, percentile
@@ -65,6 +66,18 @@ def triple(values: Sequence[float]) -> str:
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def streamed_row(label: str, concurrency: int, runs: list[LoadResult], base: float) -> list[str]:
+    """A row of streamed-completion rounds: label, C, tokens/s, share of ``base`` tokens/s,
+    p50 latency, TTFT, errors, CPU (the columns of the structured-output and LoRA tables)."""
+    summary = summarize(runs, tokens=True)
+    return (
+        [label, str(concurrency), spread(summary.rate, 0)]
+        + [f"{summary.rate.median / base:.0%}", num(summary.latency_ms[0])]
+        + [triple(summary.ttft_ms), f"{len(summary.errors)}/{summary.requests}"]
+        + [" / ".join(num(cores, 2) for cores in summary.cpu_cores)]
+    )
 
 
 def _machine(env: Environment, settings: Settings) -> str:

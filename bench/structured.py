@@ -17,8 +17,7 @@ from pathlib import Path
 
 from . import routes, server, texts
 from .load import Budget, LoadResult, run_load
-from .report import num, spread, table, triple
-from .summary import summarize
+from .report import streamed_row, table
 from .targets import Target
 from .workloads import MAX_TOKENS, Settings
 
@@ -53,13 +52,7 @@ class StructuredResult:
         for concurrency in CONCURRENCY:
             base = self.rate("unconstrained", concurrency)
             for mode in MODES:
-                summary = summarize(self.runs[(mode, concurrency)], tokens=True)
-                rows.append(
-                    [mode, str(concurrency), spread(summary.rate, 0)]
-                    + [f"{summary.rate.median / base:.0%}", num(summary.latency_ms[0])]
-                    + [triple(summary.ttft_ms), f"{len(summary.errors)}/{summary.requests}"]
-                    + [" / ".join(num(cores, 2) for cores in summary.cpu_cores)]
-                )
+                rows.append(streamed_row(mode, concurrency, self.runs[(mode, concurrency)], base))
         return [
             "## Structured output: a JSON-schema request beside an unconstrained one",
             "",

@@ -138,6 +138,12 @@ def _structured(context: Context) -> Outcome:
     return structured.measure(context.models.llama, context.settings, context.log_dir)
 
 
+def _lora(context: Context) -> Outcome:
+    from . import lora
+
+    return lora.measure(context.models.llama, context.settings, context.cache, context.log_dir)
+
+
 def _vllm_unavailable() -> str | None:
     from .vllm_tier import unavailable
 
@@ -217,6 +223,7 @@ SUITES = (
     Suite("coldstart", "cpu", _cold_start),
     Suite("vllm", "cpu", _vllm, _vllm_unavailable),
     Suite("structured", "cpu", _structured),
+    Suite("lora", "cpu", _lora),
     Suite("peers", "cpu", _peers, _peers_unavailable),
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),

@@ -9,10 +9,14 @@ from .backends import BackendChoice, choose_backend, vllm_installed
 from .backends.base import EncoderBackend, GenerationBackend
 from .cli import ServerConfig
 from .errors import StartupError
+from .generation.reasoning import REASONING_PARSERS
 from .loading import ModelSource, load_source, read_chat_template
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
 
 logger = logging.getLogger(__name__)
+
+TRANSFORMERS_LORA_FLAGS = frozenset({"enable-lora", "lora-modules"})
+"""vLLM engine flags that the transformers backend honours too (LoRA adapters with PEFT)."""
 
 
 def local_backend(
@@ -105,6 +109,9 @@ def model_around(
             trust_request_chat_template=config.trust_request_chat_template,
             max_inputs_per_request=config.max_inputs_per_request,
             auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+            reasoning=REASONING_PARSERS[config.reasoning_parser]
+            if config.reasoning_parser
+            else None,
         )
     if config.tensor_input_names and not config.server.get("predictor_host"):
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
@@ -121,10 +128,11 @@ def model_around(
 def check_choice(config: ServerConfig, choice: BackendChoice) -> None:
     """Flags that the chosen backend ignores (a warning) or cannot honour (a
     :class:`StartupError`)."""
-    if config.engine_flags and choice.name != "vllm":
+    ignored = [name for name in config.engine_flags if name not in TRANSFORMERS_LORA_FLAGS]
+    if ignored and choice.name != "vllm":
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",
-            " ".join(f"--{name}" for name in config.engine_flags),
+            " ".join(f"--{name}" for name in ignored),
         )
     if config.quantize and choice.name != "onnx":
         raise StartupError(

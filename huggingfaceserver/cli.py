@@ -18,6 +18,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from .errors import StartupError
+from .generation.reasoning import REASONING_PARSERS
 from .generation.tool_parsers import TOOL_PARSERS
 from .tasks import Task
 
@@ -52,7 +53,7 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     max-seq-len-to-capture model-impl no-enable-chunked-prefill no-enable-prefix-caching
     num-gpu-blocks-override num-lookahead-slots num-scheduler-steps num-speculative-tokens
     override-generation-config override-neuron-config pipeline-parallel-size preemption-mode
-    prefix-caching-hash-algo quantization reasoning-parser rope-scaling rope-theta scheduling-policy
+    prefix-caching-hash-algo quantization rope-scaling rope-theta scheduling-policy
     seed served-model-name skip-tokenizer-init speculative-config speculative-model swap-space
     tensor-parallel-size tokenizer tokenizer-mode tokenizer-pool-size
     use-v2-block-manager worker-cls
@@ -191,6 +192,16 @@ class ServerConfig:
     """The transformers backend on a GPU replays decode steps as CUDA graphs recorded per
     batch-size bucket (:mod:`.backends.pytorch.step_graphs`), as vLLM does; this runs them
     eagerly, on both backends (vLLM gets its ``--enforce-eager``). No effect on a CPU."""
+    enable_runtime_lora: bool = option(
+        False, "LoRA adapters loaded and unloaded at run time (with --lora_adapter_dir)"
+    )
+    """``POST /openai/v1/load_lora_adapter`` and ``unload_lora_adapter`` (vLLM's routes, which
+    vLLM turns on with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); off: both are a 404."""
+    lora_adapter_dir: str | None = option(
+        None, "the folder that adapters loaded at run time must be in"
+    )
+    """A run-time load reads only adapters inside it (symlinks resolved): a request cannot make
+    the server read any other file."""
     chat_template: str | None = option(None, "chat template: Jinja text or a file path")
     """For chat requests."""
     disable_log_requests: bool = option(False, "do not log requests")
@@ -246,6 +257,14 @@ class ServerConfig:
     tool_call_parser: str | None = option(
         None, "the model's tool call format (tool_choice auto)", choices=sorted(TOOL_PARSERS)
     )
+    reasoning_parser: str | None = option(
+        None,
+        "chat: split a thinking model's reasoning out of the content",
+        choices=sorted(REASONING_PARSERS),
+    )
+    """vLLM's flag and names (:mod:`.generation.reasoning`), on both backends: chat messages
+    carry ``reasoning`` (and ``reasoning_content``) apart from ``content``; vLLM also gets it,
+    so that its structured output starts after the reasoning."""
     request_timeout_seconds: float | None = option(
         None, "504 for a request still running after this long (default: no limit)"
     )

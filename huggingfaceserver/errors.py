@@ -44,6 +44,12 @@ class NotFound(ServerError):
     status_code = HTTPStatus.NOT_FOUND
 
 
+class Conflict(ServerError):
+    """The request conflicts with what is under way, e.g. unloading an adapter in use (409)."""
+
+    status_code = HTTPStatus.CONFLICT
+
+
 class NotReady(ServerError):
     """The model is still loading (503)."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 from fastapi import FastAPI
 from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
@@ -45,9 +46,30 @@ def load_model(argv: Sequence[str]) -> BackendModel:
     return model
 
 
+def loader(model_dir: Path, name: str) -> Callable[..., BackendModel]:
+    """``load(*flags)``: the model in ``model_dir`` on the transformers backend, served as
+    ``name`` and loaded as the server loads it, once per flags."""
+    cache: dict[tuple[str, ...], BackendModel] = {}
+
+    def load(*flags: str) -> BackendModel:
+        if flags not in cache:
+            argv = ["--model_dir", str(model_dir), "--model_name", name, "--backend"]
+            cache[flags] = load_model([*argv, "huggingface", *flags])
+        return cache[flags]
+
+    return load
+
+
 def client_for(model: BackendModel, openai_prefix: str = "/openai") -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=build_app(model, openai_prefix))
     return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def sdk_for(model: BackendModel) -> openai.AsyncOpenAI:
+    """The ``openai`` SDK's async client of ``model``'s app, in-process."""
+    return openai.AsyncOpenAI(
+        base_url="http://test/openai/v1", api_key="unused", http_client=client_for(model)
+    )
 
 
 def free_port() -> int:

@@ -81,6 +81,8 @@ OWN_FLAGS = {
     "batch_wait_ms": ("5", 5.0),
     "prefill_chunk_tokens": ("64", 64),
     "enforce_eager": (None, True),
+    "enable_runtime_lora": (None, True),
+    "lora_adapter_dir": ("/adapters", "/adapters"),
     "api_workers": ("3", 3),
     "log_format": ("json", "json"),
     "enable_model_repository": (None, True),
@@ -93,6 +95,7 @@ OWN_FLAGS = {
     "trust_request_chat_template": (None, True),
     "enable_auto_tool_choice": (None, True),
     "tool_call_parser": ("hermes", "hermes"),
+    "reasoning_parser": ("qwen3", "qwen3"),
     "request_timeout_seconds": ("2.5", 2.5),
     "max_concurrent_predictor_calls": ("4", 4),
     "request_read_timeout_seconds": ("5", 5.0),
@@ -237,6 +240,14 @@ def test_own_flags_accept_both_spellings_and_the_equals_form(field):
         for argv in forms:
             argv += COMPANIONS.get(field, [])
             assert getattr(parse_args(argv), field) == expected, argv
+
+
+def test_an_unknown_reasoning_parser_lists_the_supported_ones(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--reasoning-parser", "openai_gptoss"])  # harmony: not plain markers
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and "invalid choice: 'openai_gptoss'" in error
+    assert all(name in error for name in ("deepseek_r1", "qwen3"))
 
 
 def test_auto_tool_choice_needs_a_known_parser(capsys):

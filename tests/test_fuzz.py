@@ -44,8 +44,10 @@ V1_BODY = {
 """KServe's V1 routes read a raw body; the fuzzer is given the shape they take."""
 OPENAI_BODIES = {
     "POST /openai/v1/completions", "POST /openai/v1/chat/completions",
+    "POST /openai/v1/responses",
     "POST /openai/v1/embeddings", "POST /openai/v1/rerank",
     "POST /openai/v1/tokenize", "POST /openai/v1/detokenize",
+    "POST /openai/v1/load_lora_adapter", "POST /openai/v1/unload_lora_adapter",
 }  # fmt: skip
 OPERATIONS = OPENAI_BODIES | {
     "GET /openai/v1/models", "GET /openai/v1/models/{model_id}",

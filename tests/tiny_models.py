@@ -520,3 +520,22 @@ def build_all(root: str | Path) -> dict[str, Path]:
     """Build every tiny model into ``root/<name>`` and return ``{name: path}``."""
     root = Path(root)
     return {name: builder(root / name) for name, builder in BUILDERS.items()}
+
+
+def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, seed: int) -> Path:
+    """A random LoRA adapter (PEFT) for the tiny Llama at ``base_dir``: its A and B matrices
+    both random (``init_lora_weights=False``; PEFT's default B of zeros changes nothing) and
+    scaled up, so that greedy text differs from the base model's and from another seed's."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=64,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
+    get_peft_model(model, config).save_pretrained(out_dir)
+    return Path(out_dir)

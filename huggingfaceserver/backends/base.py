@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..encoders import EncoderTask
 from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Instance, Output
-from ..errors import NotReady
+from ..errors import NotFound, NotReady
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..sentence.prompts import Prompts
 from .long_inputs import InputTooLong
@@ -172,6 +172,12 @@ class EncoderBackend(ABC):
         cannot finish fail with :func:`unloaded`."""
 
 
+RUNTIME_LORA_UNSUPPORTED = (
+    "LoRA adapters are not loaded or unloaded at run time here: that takes "
+    "--enable_runtime_lora, with one process (--api_workers 1) on the transformers backend"
+)
+
+
 class GenerationBackend(ABC):
     """Generates text for token-id prompts; the OpenAI layer cannot tell backends apart.
 
@@ -211,6 +217,15 @@ class GenerationBackend(ABC):
     ) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas for the ``params.n`` choices as tokens are produced, until all finished.
         ``adapter`` names a LoRA adapter served under its own model name."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter at run time, served under ``name`` from then on (where
+        ``--enable_runtime_lora`` allows it; else a 404)."""
+        raise NotFound(RUNTIME_LORA_UNSUPPORTED)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter (409 while requests use it)."""
+        raise NotFound(RUNTIME_LORA_UNSUPPORTED)
 
     async def watch(self) -> None:
         """Return when the backend can no longer serve (a dead engine); the server then

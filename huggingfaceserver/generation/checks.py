@@ -3,6 +3,8 @@ where the request arrives (a 400 before a stream starts) and again where it deco
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ..errors import BadRequest
 from .constraints import LazyGrammars
 from .params import SamplingParams
@@ -12,15 +14,17 @@ def check_generation_request(
     prompt_ids: list[int],
     params: SamplingParams,
     adapter: str | None,
+    adapters: Collection[str],
     max_model_len: int,
     vocab_size: int,
     is_encoder_decoder: bool,
     grammars: LazyGrammars,
 ) -> None:
     """What a transformers-served model refuses (the protocol layer should have caught it),
-    an invalid structured-output constraint included."""
-    if adapter is not None:
-        raise BadRequest("LoRA adapters are served by the vLLM backend only")
+    an invalid structured-output constraint included; ``adapters``: the LoRA adapters
+    served."""
+    if adapter is not None and adapter not in adapters:
+        raise BadRequest(f"unknown LoRA adapter {adapter!r}")
     if not prompt_ids:
         raise BadRequest("the prompt is empty")
     if len(prompt_ids) >= max_model_len:

@@ -8,7 +8,9 @@ after, each row's token is fed to its matcher. A matcher in error, or one that a
 fails its row (a 400): a row never goes on unconstrained. Rows without a constraint are not
 touched. JSON is compact (no free whitespace), as
 vLLM's ``disable_any_whitespace``: a small model left free to emit whitespace can emit little
-else.
+else. A constraint ``after`` a reasoning parser's end marker is one grammar too: any tokens but
+the marker, the marker, then the constraint's grammar (vLLM's engine instead turns its grammar
+on when it sees the marker; the masks are the same).
 
 llguidance rather than xgrammar: the same masks (vLLM uses either), without xgrammar's
 dependency on triton (a gigabyte on Linux) for a server that runs without vLLM.
@@ -53,6 +55,7 @@ class Grammars:
                 f"structured output is not available for this model's tokenizer: {exc}"
             ) from None
         self.vocab_size = vocab_size
+        self.vocabulary = tokenizer
         self.cache: OrderedDict[Constraint, str] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -75,10 +78,21 @@ class Grammars:
             grammar = to_grammar(constraint)
         except (ValueError, TypeError) as exc:
             raise BadRequest(f"invalid {name}: {exc}") from None
+        if constraint.after is not None:
+            grammar = after_token(grammar, self._marker_id(constraint.after))
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
             raise BadRequest(f"invalid {name}: {error}"[:2000])
         return grammar
+
+    def _marker_id(self, marker: str) -> int:
+        token_id = self.vocabulary.get_vocab().get(marker)
+        if token_id is None:
+            raise BadRequest(
+                f"structured output after the reasoning needs {marker!r} as one token of the "
+                "model's vocabulary, and this tokenizer has none"
+            )
+        return token_id
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher, at the start of the constraint's grammar."""
@@ -124,6 +138,20 @@ def to_grammar(constraint: Constraint) -> str:
     if constraint.kind == "choice":
         return llguidance.grammar_from("choice", constraint.spec)
     return llguidance.grammar_from("grammar", constraint.spec)
+
+
+def after_token(grammar: str, token_id: int) -> str:
+    """``grammar`` (llguidance's, as :func:`to_grammar` gives it), started after the token
+    ``token_id``: any tokens but that one (the reasoning; an end of sequence there ends the
+    text, as it would unconstrained), the token, then the grammar."""
+    if grammar.lstrip().startswith("{"):  # a top-level grammar: its first one is the start
+        grammars = json.loads(grammar)["grammars"]
+    else:  # Lark text
+        grammars = [{"lark_grammar": grammar}]
+    name = grammars[0].get("name") or "constrained"
+    grammars[0]["name"] = name
+    free = f"start: reasoning @{name}\nreasoning: <[^{token_id}]>* <[{token_id}]>\n"
+    return json.dumps({"grammars": [{"name": "after_reasoning", "lark_grammar": free}, *grammars]})
 
 
 @dataclass(eq=False)

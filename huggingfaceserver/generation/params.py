@@ -18,6 +18,10 @@ class Constraint:
     spec: str
     """``json``: a JSON schema (JSON text); ``regex``: a regular expression; ``choice``: a JSON
     list of the allowed strings; ``grammar``: a grammar (GBNF/EBNF or Lark)."""
+    after: str | None = None
+    """A reasoning parser's end marker (a token of the vocabulary): the tokens up to it are
+    free and the constraint starts after it, as vLLM's engine does with ``--reasoning-parser``
+    (which the vLLM backend passes it, so its engine does this itself)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from ..backends.base import EncoderBackend, GenerationBackend
 from ..cli import ServerConfig
 from ..errors import BadRequest
 from ..generation.params import SamplingParams
+from ..generation.reasoning import ReasoningFormat
 from ..loading import freeze_loaded_heap
 from ..observability import request_notes
 from ..observability.request_ids import new_request_id
@@ -113,6 +114,7 @@ class GenerationModel(BackendModel):
         trust_request_chat_template: bool = False,
         max_inputs_per_request: int = ServerConfig.max_inputs_per_request,
         auto_tool_parser: str | None = None,
+        reasoning: ReasoningFormat | None = None,
     ):
         super().__init__(name, task)
         self.backend = backend
@@ -124,6 +126,9 @@ class GenerationModel(BackendModel):
         self.auto_tool_parser = auto_tool_parser
         """``--tool-call-parser`` with ``--enable-auto-tool-choice``: ``tool_choice: auto``
         parses the output into tool calls; None: auto is refused."""
+        self.reasoning = reasoning
+        """``--reasoning-parser``: chat output is split into reasoning and content; None: as
+        the model wrote it."""
 
     async def warm_up(self) -> None:
         ids = self.backend.tokenizer("Hello", add_special_tokens=True)["input_ids"] or [0]

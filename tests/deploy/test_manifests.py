@@ -115,8 +115,8 @@ def test_engine_flags_are_ones_the_installed_vllm_parses(path: Path) -> None:
     parser, and logs (only) those it does not know as ignored. Here they go through the
     installed vLLM's parser, as the backend passes them."""
     pytest.importorskip("vllm")
+    from huggingfaceserver.backends.lora import parse_lora_modules
     from huggingfaceserver.backends.vllm import compat
-    from huggingfaceserver.backends.vllm.engine_args import parse_lora_modules
 
     known = compat.engine_flag_names()
     for doc in documents(path):

@@ -54,10 +54,13 @@ OUR_ROUTES = {
     ("/openai/v1/models/{model_id}", "GET"),
     ("/openai/v1/completions", "POST"),
     ("/openai/v1/chat/completions", "POST"),
+    ("/openai/v1/responses", "POST"),
     ("/openai/v1/embeddings", "POST"),
     ("/openai/v1/rerank", "POST"),
     ("/openai/v1/tokenize", "POST"),
     ("/openai/v1/detokenize", "POST"),
+    ("/openai/v1/load_lora_adapter", "POST"),
+    ("/openai/v1/unload_lora_adapter", "POST"),
 }
 TEI_ROUTES = {
     *(

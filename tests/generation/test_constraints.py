@@ -16,6 +16,7 @@ from huggingfaceserver.backends.pytorch.masks import mask_disallowed, unpack_bit
 from huggingfaceserver.errors import BadRequest
 from huggingfaceserver.generation.constraints import GrammarMatcher, Grammars
 from huggingfaceserver.generation.params import Constraint
+from tests.tiny_models import train_llama_tokenizer
 
 NEG_INF = float("-inf")
 CONSTRAINTS = [
@@ -29,7 +30,11 @@ CONSTRAINTS = [
 def walk(grammars: Grammars, tokenizer, constraint: Constraint, logits_seed: int) -> str:
     """Decode under the constraint, choosing the most likely allowed token of random logits,
     until the end of sequence: the text the grammar let through."""
-    matcher = grammars.matcher(constraint)
+    return walk_from(grammars.matcher(constraint), tokenizer, logits_seed)
+
+
+def walk_from(matcher: GrammarMatcher, tokenizer, logits_seed: int) -> str:
+    """:func:`walk` from where ``matcher`` is."""
     generator = torch.Generator().manual_seed(logits_seed)
     tokens: list[int] = []
     for _ in range(200):
@@ -207,3 +212,31 @@ def test_a_grammar_with_nothing_left_but_the_end_is_complete(grammars, tokenizer
     logits = torch.zeros(1, len(tokenizer))
     mask_disallowed(logits, [(0, matcher)])
     assert (logits[0] > NEG_INF).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tmp_path_factory):
+    """The tiny Llama's tokenizer with reasoning markers as tokens (as thinking models have)."""
+    tokenizer = train_llama_tokenizer(tmp_path_factory.mktemp("thinking"))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_constraint_after_the_reasoning_leaves_the_reasoning_free(thinking_tokenizer, seed):
+    tokenizer = thinking_tokenizer
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraint = Constraint("choice", '["red", "green"]', after="</think>")
+    matcher = grammars.matcher(constraint)
+    for token in tokenizer.encode("<think>Any text, even {", add_special_tokens=False):
+        logits = torch.zeros(1, len(tokenizer))
+        assert mask_disallowed(logits, [(0, matcher)]) == {}
+        assert not logits.isinf().any()  # every token, the end of sequence too
+        matcher.consume(token)
+    matcher.consume(tokenizer.convert_tokens_to_ids("</think>"))
+    assert walk_from(matcher, tokenizer, seed) in ("red", "green")
+
+
+def test_an_end_marker_the_vocabulary_lacks_is_a_400(grammars):
+    with pytest.raises(BadRequest, match="'</think>' as one token"):
+        grammars.matcher(Constraint("choice", '["red", "green"]', after="</think>"))

@@ -13,6 +13,11 @@ caches) keep transformers' own cache and one batch per prefill.
 A step that raises leaves a reserved batch as it was, and :meth:`DecodeBatch.split` moves rows
 out into a batch of their own: the decode loop retries a failed step with each request's rows
 apart, so that only the request whose rows break the model fails.
+
+With LoRA adapters (:mod:`.adapters`) every forward goes through PEFT with each row's adapter:
+the batch keeps one adapter name per row (:attr:`DecodeBatch.adapters`), in step with its cache
+rows whenever rows are repeated, dropped, absorbed or split. Such a batch never replays CUDA
+graphs: the rows' adapters are chosen in Python, outside what a graph records.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from .adapters import LoraAdapters, row_adapter
 from .kv_cache import ReservedCache, full_attention_layers
 from .step_graphs import StepGraphs
 
@@ -34,9 +40,20 @@ from .step_graphs import StepGraphs
 class DecodeBatch(ABC):
     """Rows decoded together, in the order of the logits rows they produce."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, lora: LoraAdapters | None = None):
         self.model = model
         self.device = model.device
+        self.lora = lora
+        self.adapters: list[str] = []
+        """Each row's adapter (PEFT's name; :data:`~.adapters.BASE` for none), in the order of
+        the rows of the next forward; used only with ``lora``."""
+
+    def _call(self, **inputs: Any) -> Any:
+        """The model's forward, through PEFT with each row's adapter when adapters are
+        loaded."""
+        if self.lora is None:
+            return self.model(**inputs)
+        return self.lora.forward(self.adapters, **inputs)
 
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -49,9 +66,14 @@ class DecodeBatch(ABC):
 
     @abstractmethod
     def prefill(
-        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+        self,
+        prompt_ids: list[int],
+        rows: int,
+        score_prompt: bool = False,
+        adapter: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the prompt once for ``rows`` rows: the first next-token logits ``[rows, V]``,
+        """Run the prompt once for ``rows`` rows (with LoRA ``adapter``, None: the base
+        model): the first next-token logits ``[rows, V]``,
         and with ``score_prompt`` a decoder-only model's logits at every prompt position but
         the last ``[prompt - 1, V]`` (position ``i`` predicts prompt token ``i + 1``), else
         None (a seq2seq model's decoder never predicts the prompt)."""
@@ -61,10 +83,15 @@ class DecodeBatch(ABC):
         """Whether :meth:`prefill_together` runs several prompts in one forward."""
         return False
 
-    def prefill_together(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+    def prefill_together(
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        adapters: Sequence[str | None] | None = None,
+    ) -> torch.Tensor:
         """Run the prompts as one batch, prompt ``i`` for ``rows[i]`` rows (rows in the order of
-        the prompts): the first next-token logits ``[sum(rows), V]``. Only where
-        :attr:`prefills_together`."""
+        the prompts) with LoRA adapter ``adapters[i]`` (None: the base model): the first
+        next-token logits ``[sum(rows), V]``. Only where :attr:`prefills_together`."""
         raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
 
     @property
@@ -73,10 +100,11 @@ class DecodeBatch(ABC):
         between the parts."""
         return False
 
-    def prefill_part(self, ids: list[int], start: int) -> torch.Tensor:
-        """Feed the next part of a prompt, one row: its tokens ``ids``, at positions from
-        ``start`` (0 for the first part); the next-token logits after it ``[V]``. Only where
-        :attr:`prefills_in_parts`; :meth:`finish_prefill` after the last part."""
+    def prefill_part(self, ids: list[int], start: int, adapter: str | None = None) -> torch.Tensor:
+        """Feed the next part of a prompt, one row (with LoRA ``adapter``): its tokens ``ids``,
+        at positions from ``start`` (0 for the first part); the next-token logits after it
+        ``[V]``. Only where :attr:`prefills_in_parts`; :meth:`finish_prefill` after the last
+        part."""
         raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
 
     def finish_prefill(self, length: int, rows: int) -> None:
@@ -128,8 +156,8 @@ class CausalLMBatch(DecodeBatch):
     layers). ``mask`` marks the cache columns that hold tokens (1) rather than left padding
     (0); ``positions`` is each row's next position."""
 
-    def __init__(self, model: PreTrainedModel):
-        super().__init__(model)
+    def __init__(self, model: PreTrainedModel, lora: LoraAdapters | None = None):
+        super().__init__(model, lora)
         keep_last = _takes(model, "logits_to_keep")
         self.extra: dict[str, Any] = {"logits_to_keep": 1} if keep_last else {}
         self.takes_positions = _takes(model, "position_ids") and _takes(model, "attention_mask")
@@ -149,7 +177,7 @@ class CausalLMBatch(DecodeBatch):
         ``every_position``."""
         inputs = {"attention_mask": mask, "position_ids": position_ids}
         extra = {**self.extra, "logits_to_keep": 0} if every_position and self.extra else self.extra
-        output = self.model(
+        output = self._call(
             input_ids=input_ids,
             use_cache=True,
             **{self.cache_argument: self.cache},
@@ -182,8 +210,13 @@ class CausalLMBatch(DecodeBatch):
         return logits
 
     def prefill(
-        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+        self,
+        prompt_ids: list[int],
+        rows: int,
+        score_prompt: bool = False,
+        adapter: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.adapters = [row_adapter(adapter)]
         logits = self._feed(prompt_ids, 0, score_prompt)
         self.finish_prefill(len(prompt_ids), rows)
         return logits[-1].expand(rows, -1), logits[:-1] if score_prompt else None
@@ -192,19 +225,28 @@ class CausalLMBatch(DecodeBatch):
     def prefills_in_parts(self) -> bool:
         return self.takes_positions  # a later part's tokens need their own positions
 
-    def prefill_part(self, ids: list[int], start: int) -> torch.Tensor:
+    def prefill_part(self, ids: list[int], start: int, adapter: str | None = None) -> torch.Tensor:
+        self.adapters = [row_adapter(adapter)]
         return self._feed(ids, start)[-1]
 
     def finish_prefill(self, length: int, rows: int) -> None:
         if rows > 1:
             self._repeat(torch.zeros(rows, dtype=torch.long, device=self.device))
+            self.adapters = self.adapters * rows
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
 
     @property
     def prefills_together(self) -> bool:
         return self.takes_positions  # left padding needs each row's own positions
 
-    def prefill_together(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+    def prefill_together(
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        adapters: Sequence[str | None] | None = None,
+    ) -> torch.Tensor:
+        names = [row_adapter(a) for a in adapters or [None] * len(prompts)]
+        self.adapters = names
         length = max(len(ids) for ids in prompts)
         mask = self._begin(length, len(prompts))
         for row, prompt in enumerate(prompts):
@@ -222,6 +264,9 @@ class CausalLMBatch(DecodeBatch):
             self._repeat(index)
             logits = logits.index_select(0, index)
             lengths = lengths.index_select(0, index)
+            self.adapters = [
+                name for name, count in zip(names, rows, strict=True) for _ in range(count)
+            ]
         self.positions = lengths
         return logits
 
@@ -241,6 +286,7 @@ class CausalLMBatch(DecodeBatch):
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
+        self.adapters = [self.adapters[row] for row in rows]
 
 
 class ReservedCausalLMBatch(CausalLMBatch):
@@ -248,7 +294,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
     :class:`~.kv_cache.ReservedCache` (its mask is the batch's), written in place; batches
     absorb each other and split. A decode step hands the model its attention mask ready-made
     (:meth:`~.kv_cache.ReservedCache.step_mask`), and with ``graphs`` replays a recorded one
-    where it can (:mod:`.step_graphs`)."""
+    where it can (:mod:`.step_graphs`; never with LoRA adapters)."""
 
     def __init__(
         self,
@@ -256,10 +302,11 @@ class ReservedCausalLMBatch(CausalLMBatch):
         cache: ReservedCache,
         graphs: StepGraphs | None = None,
         ready_masks: bool = True,
+        lora: LoraAdapters | None = None,
     ):
-        super().__init__(model)
+        super().__init__(model, lora)
         self.cache = cache
-        self.graphs = graphs if ready_masks else None
+        self.graphs = graphs if ready_masks and lora is None else None
         self.ready_masks = ready_masks
         """Whether decode steps hand the model a ready 4-D mask (:func:`takes_ready_masks`)."""
 
@@ -327,13 +374,15 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def keep(self, rows: list[int]) -> None:
         self.cache.select_rows(rows)
         self.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        self.adapters = [self.adapters[row] for row in rows]
         self.cache.trim()
 
     def absorb(self, other: DecodeBatch) -> bool:
-        if not isinstance(other, ReservedCausalLMBatch):
+        if not isinstance(other, ReservedCausalLMBatch) or other.lora is not self.lora:
             return False
         self.cache.absorb(other.cache)
         self.positions = torch.cat([self.positions, other.positions])
+        self.adapters = self.adapters + other.adapters
         return True
 
     @property
@@ -342,9 +391,10 @@ class ReservedCausalLMBatch(CausalLMBatch):
 
     def split(self, rows: list[int]) -> DecodeBatch:
         taken = ReservedCausalLMBatch(
-            self.model, self.cache.take_rows(rows), self.graphs, self.ready_masks
+            self.model, self.cache.take_rows(rows), self.graphs, self.ready_masks, self.lora
         )
         taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        taken.adapters = [self.adapters[row] for row in rows]
         taken.cache.trim()
         moved = set(rows)
         kept = [row for row in range(self.cache.rows) if row not in moved]
@@ -388,8 +438,14 @@ class Seq2SeqBatch(DecodeBatch):
         self.cache: Any = None
 
     def prefill(
-        self, prompt_ids: list[int], rows: int, score_prompt: bool = False
+        self,
+        prompt_ids: list[int],
+        rows: int,
+        score_prompt: bool = False,
+        adapter: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if adapter is not None:  # refused at load (:class:`~.adapters.LoraAdapters`)
+            raise ValueError("a sequence-to-sequence model serves no LoRA adapter")
         encoder = self.model.get_encoder()
         hidden = encoder(input_ids=self._ids([prompt_ids])).last_hidden_state
         self.encoded = hidden.repeat(rows, 1, 1)

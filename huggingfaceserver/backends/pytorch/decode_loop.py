@@ -66,6 +66,8 @@ class Request:
 
     rows: list[SequenceState]
     emit: Emit
+    adapter: str | None = None
+    """The LoRA adapter its rows decode with (None: the base model)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set by the consumer when it leaves; its rows then stop at the next step."""
     timeline: Timeline = field(default_factory=Timeline)
@@ -255,7 +257,10 @@ class ContinuousBatcher:
                 [request] = requests
                 num_top = request.rows[0].params.prompt_logprobs
                 logits, prompt_logits = batch.prefill(
-                    request.prompt_ids, len(request.rows), score_prompt=num_top is not None
+                    request.prompt_ids,
+                    len(request.rows),
+                    score_prompt=num_top is not None,
+                    adapter=request.adapter,
                 )
                 if prompt_logits is not None and num_top is not None:
                     scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
@@ -263,6 +268,7 @@ class ContinuousBatcher:
                 logits = batch.prefill_together(
                     [request.prompt_ids for request in requests],
                     [len(request.rows) for request in requests],
+                    [request.adapter for request in requests],
                 )
         except Exception as exc:  # its request fails, not the loop
             if len(requests) == 1:
@@ -328,7 +334,9 @@ class ContinuousBatcher:
                 continue
             take = min(budget, len(prompt) - part.fed)
             try:
-                logits = part.batch.prefill_part(prompt[part.fed : part.fed + take], part.fed)
+                logits = part.batch.prefill_part(
+                    prompt[part.fed : part.fed + take], part.fed, request.adapter
+                )
                 part.fed += take
                 budget -= take
                 if part.fed == len(prompt):

@@ -3,7 +3,9 @@
 Requests are checked and turned into rows (:class:`~.sequence.SequenceState`, one
 per choice) on the event loop; one :class:`~.decode_loop.ContinuousBatcher` decodes the
 rows of every request in a worker thread, over the model's KV cache (:mod:`.decode_batch`);
-deltas reach each request's consumer through an asyncio queue.
+deltas reach each request's consumer through an asyncio queue. LoRA adapters named at startup
+(``--lora-modules``) or loaded at run time are loaded with PEFT and served in the same batches
+(:mod:`.adapters`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from transformers import (
 )
 
 from ...cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
-from ...errors import StartupError
+from ...errors import BadRequest, StartupError
 from ...generation.checks import check_generation_request
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
@@ -32,7 +35,9 @@ from ...loading import ModelSource, device, load_pretrained, load_tokenizer, res
 from ...tasks import Task
 from ..base import GenerationBackend, release_weights, unloaded
 from ..loop_calls import LoopCalls
+from ..lora import LoraModule, served_adapters
 from ..tokenizing import UNSET_MAX_LENGTH
+from .adapters import InvalidAdapter, LoraAdapters
 from .decode_batch import (
     CausalLMBatch,
     DecodeBatch,
@@ -114,6 +119,9 @@ class TransformersGenerator(GenerationBackend):
         self.config = config
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
+        self.adapters = served_adapters(config)
+        """LoRA adapters, each served under its own model name (loaded with the model)."""
+        self.lora: LoraAdapters | None = None
 
     def load(self) -> None:
         model_class = MODEL_CLASSES.get(self.source.task)
@@ -122,6 +130,13 @@ class TransformersGenerator(GenerationBackend):
         self.tokenizer = load_tokenizer(self.source, self.config)
         model = load_pretrained(model_class, self.source, self.config, self.dtype)
         self.model: PreTrainedModel = model
+        if self.adapters or self.adapters.runtime:
+            self.lora = LoraAdapters(model)
+            for module in self.adapters.modules.values():
+                try:
+                    self.lora.add(module)
+                except InvalidAdapter as exc:
+                    raise StartupError(str(exc)) from None
         self.is_encoder_decoder = bool(model.config.is_encoder_decoder)
         self.decoder_start_token_id = self._decoder_start_token_id()
         self.max_model_len = resolve_context_length(
@@ -150,12 +165,13 @@ class TransformersGenerator(GenerationBackend):
                 "builds its own (and waits for the device once), no CUDA graphs",
                 type(model).__name__,
             )
+        graphed = self.ready_masks and self.device.type == "cuda" and not self.config.enforce_eager
+        if graphed and self.lora is not None:
+            logger.info("no CUDA graphs: each row's LoRA adapter is chosen in Python per step")
         self.graphs = (
-            StepGraphs(self.max_rows, cuda_graph)
-            if self.ready_masks and self.device.type == "cuda" and not self.config.enforce_eager
-            else None
+            StepGraphs(self.max_rows, cuda_graph) if graphed and self.lora is None else None
         )
-        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache)."""
+        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA)."""
         self.batcher = ContinuousBatcher(
             self.new_batch,
             self.max_rows,
@@ -228,6 +244,7 @@ class TransformersGenerator(GenerationBackend):
             prompt_ids,
             params,
             adapter,
+            self.adapters,
             self.max_model_len,
             self.vocab_size,
             self.is_encoder_decoder,
@@ -274,8 +291,10 @@ class TransformersGenerator(GenerationBackend):
         if self.decoder_start_token_id is None:
             if self.cache_layers:
                 cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
-                return ReservedCausalLMBatch(self.model, cache, self.graphs, self.ready_masks)
-            return CausalLMBatch(self.model)
+                return ReservedCausalLMBatch(
+                    self.model, cache, self.graphs, self.ready_masks, self.lora
+                )
+            return CausalLMBatch(self.model, self.lora)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
 
     async def generate(
@@ -301,15 +320,42 @@ class TransformersGenerator(GenerationBackend):
                 return
             calls.call(queue.put_nowait, item)
 
-        request = Request(rows, emit)
-        self.batcher.submit(request)
+        request = Request(rows, emit, adapter)
+        with self.adapters.use(adapter):  # not unloaded while in use
+            self.batcher.submit(request)
+            try:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                request.cancelled.set()  # a consumer that left (closed or cancelled) stops it
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter at run time (on the decode thread, between two steps), served
+        under ``name`` from then on: 404 unless ``--enable_runtime_lora``, 400 for a path
+        outside ``--lora_adapter_dir``, a name in use or an adapter that does not fit."""
+        module = self.adapters.begin_load(name, path)
+        loaded = False
         try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            await asyncio.to_thread(self.batcher.run_on_loop, partial(self._add, module))
+            loaded = True
         finally:
-            request.cancelled.set()  # a consumer that left (closed or cancelled) stops the loop
+            self.adapters.end_load(module, loaded)
+
+    def _add(self, module: LoraModule) -> None:
+        assert self.lora is not None  # made at load with --enable_runtime_lora
+        try:
+            self.lora.add(module)
+        except InvalidAdapter as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter loaded at startup or at run time, and take it out of the
+        model: 404 for an unknown name, 409 while requests use it."""
+        self.adapters.begin_unload(name)
+        assert self.lora is not None
+        await asyncio.to_thread(self.batcher.run_on_loop, partial(self.lora.remove, name))
 
     def shutdown(self) -> None:
         """Stop serving for good (an unload, or the server stopping), when the model was

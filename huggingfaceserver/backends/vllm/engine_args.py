@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from vllm import AsyncEngineArgs
@@ -28,30 +25,6 @@ logger = logging.getLogger(__name__)
 RESERVED_FLAGS = frozenset({"model", "tokenizer", "served-model-name"})
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-
-@dataclass(frozen=True)
-class LoraModule:
-    name: str
-    path: str
-
-
-def parse_lora_modules(values: list[str]) -> list[LoraModule]:
-    """``--lora-modules name=path ...`` (or vLLM's JSON form ``{"name": ..., "path": ...}``)."""
-    modules = []
-    for value in values:
-        if value.lstrip().startswith("{"):
-            try:
-                spec = json.loads(value)
-                modules.append(LoraModule(spec["name"], spec["path"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise StartupError(f"--lora-modules {value!r}: {exc}") from None
-            continue
-        name, sep, path = value.partition("=")
-        if not (sep and name and path):
-            raise StartupError(f"--lora-modules takes name=path, not {value!r}")
-        modules.append(LoraModule(name, path))
-    return modules
 
 
 STRUCTURED_OUTPUTS_FLAG = "structured-outputs-config"
@@ -79,6 +52,8 @@ def engine_argv(
         argv.append("--trust-remote-code")
     if config.enforce_eager:  # one flag, one meaning on both backends: no CUDA graphs
         argv.append("--enforce-eager")
+    if config.reasoning_parser is not None:  # the engine starts a grammar after the reasoning
+        argv += ["--reasoning-parser", config.reasoning_parser]
     if kv_cache_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if not source.task.is_generative:
@@ -106,13 +81,3 @@ def build_engine_args(
     """Parsed by vLLM's own parser: its defaults, its validation, its error messages (exit 2)."""
     namespace = engine_parser().parse_args(engine_argv(source, config, kv_cache_bytes))
     return AsyncEngineArgs.from_cli_args(namespace)
-
-
-def lora_modules(config: ServerConfig) -> list[LoraModule]:
-    modules = parse_lora_modules(config.engine_flags.get("lora-modules", []))
-    if modules and "enable-lora" not in config.engine_flags:
-        raise StartupError("--lora-modules needs --enable-lora")
-    for module in modules:
-        if not Path(module.path).exists():
-            raise StartupError(f"LoRA adapter {module.name}: {module.path} does not exist")
-    return modules

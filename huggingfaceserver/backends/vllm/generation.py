@@ -28,9 +28,10 @@ from ...generation.params import (
 )
 from ...loading import ModelSource, load_tokenizer
 from ..base import GenerationBackend
+from ..lora import served_adapters
 from . import compat
 from .engine import EngineHolder
-from .engine_args import LoraModule, build_engine_args, lora_modules
+from .engine_args import build_engine_args
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         self.source = source
         self.config = config
         self.engine_args = build_engine_args(source, config, kv_cache_bytes)
-        self.adapters: dict[str, LoraModule] = {m.name: m for m in lora_modules(config)}
+        self.adapters = served_adapters(config)
+        """LoRA adapters, each a model name of its own: named at startup or loaded at run time
+        (``--enable_runtime_lora``: the engine's ``add_lora``)."""
 
     def load(self) -> None:
         """Start the engine and wait until it serves."""
@@ -135,6 +138,8 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         self.vocab_size = len(self.tokenizer)
         self.grammars = LazyGrammars.for_tokenizer(self.tokenizer, self.vocab_size)
         self.lora_ids = {name: i + 1 for i, name in enumerate(self.adapters)}
+        self.next_lora_id = len(self.lora_ids) + 1
+        """vLLM's number for the next adapter loaded at run time (never reused)."""
 
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
@@ -154,14 +159,36 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
     def lora_request(self, adapter: str | None) -> compat.LoRARequest | None:
         if adapter is None:
             return None
-        module = self.adapters[adapter]
+        module = self.adapters.modules[adapter]
         return compat.LoRARequest(module.name, self.lora_ids[adapter], module.path)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """The engine loads the adapter (``add_lora``); 400 where it cannot."""
+        module = self.adapters.begin_load(name, path)
+        lora_id, self.next_lora_id = self.next_lora_id, self.next_lora_id + 1
+        loaded = False
+        try:
+            loaded = await self.engine.add_lora(compat.LoRARequest(name, lora_id, module.path))
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise BadRequest(f"LoRA adapter {name} ({module.path}): {exc}") from None
+        finally:
+            if loaded:
+                self.lora_ids[name] = lora_id
+            self.adapters.end_load(module, loaded)
+        if not loaded:
+            raise BadRequest(f"LoRA adapter {name} ({module.path}): the engine did not load it")
+
+    async def unload_adapter(self, name: str) -> None:
+        """The engine drops the adapter (``remove_lora``); 409 while requests use it."""
+        self.adapters.begin_unload(name)
+        await self.engine.remove_lora(self.lora_ids.pop(name))
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[list[ChoiceDelta]]:
         self.check_request(prompt_ids, params, adapter)
         request_id = uuid.uuid4().hex
+        self.adapters.acquire(adapter)  # not unloaded while in use
         stream = self.engine.generate(
             compat.TokensPrompt(prompt_token_ids=prompt_ids),
             to_vllm_params(params),
@@ -189,6 +216,7 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
                 )
                 finished = output.finished
         finally:
+            self.adapters.release(adapter)
             if not finished:  # the consumer left: free the engine's slot at once
                 await self.engine.abort(request_id)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)

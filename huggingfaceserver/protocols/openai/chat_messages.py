@@ -73,6 +73,11 @@ class ChatMessage(BaseModel):
             message["name"] = self.name
         if isinstance(message.get("tool_calls"), list):
             message["tool_calls"] = [call_for_template(call) for call in message["tool_calls"]]
+        reasoning = message.get("reasoning_content", message.get("reasoning"))
+        if reasoning is not None:
+            # Clients send it back as vLLM's "reasoning" or DeepSeek's "reasoning_content";
+            # Qwen3's and DeepSeek's templates read the latter.
+            message["reasoning_content"] = message["reasoning"] = reasoning
         return message
 
 

@@ -299,6 +299,8 @@ class ChatCompletionRequest(ChatConversation, BaseGenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: ToolChoice | None = None  # type: ignore[assignment]
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
+    """vLLM's: false leaves a ``--reasoning-parser``'s reasoning out of the answer."""
 
     audio: Any = None
     modalities: Any = None

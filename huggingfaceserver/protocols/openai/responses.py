@@ -5,8 +5,10 @@ Each model declares the fields we send of its ``openai`` SDK counterpart, in the
 with the same names, so that the SDK parses the JSON (tests/protocols/openai/test_responses.py
 parses it with the SDK's types) while an SDK release cannot change what we send. Where we send
 more than the SDK declares: a streamed choice has ``finish_reason: null`` until its last chunk,
-an echoed prompt's first token has a null logprob, and vLLM's ``prompt_logprobs`` extension adds
-a field to completion choices and chat completions.
+an echoed prompt's first token has a null logprob, vLLM's ``prompt_logprobs`` extension adds
+a field to completion choices and chat completions, and with ``--reasoning-parser`` chat
+messages and deltas carry ``reasoning`` and ``reasoning_content`` (the SDK keeps them in
+``model_extra``).
 
 Serialize with :func:`~.bodies.to_json`: the builders set exactly the fields that belong in the
 JSON (``exclude_unset``), so a chat delta carries ``role`` only when asked to and stream chunks
@@ -31,20 +33,36 @@ CompletionFinishReason = Literal["stop", "length"]
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class CompletionTokensDetails(BaseModel):
+    """What the completion tokens were: ``reasoning_tokens``, given a reasoning parser."""
+
+    reasoning_tokens: int
+
+
 class CompletionUsage(BaseModel):
     """The ``usage`` of a completion or chat response (the SDK's ``CompletionUsage``)."""
 
     completion_tokens: int
     prompt_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
-def completion_usage(prompt_tokens: int, completion_tokens: int) -> CompletionUsage:
-    """Token counts for completions and chat (no padding, ever)."""
+def completion_usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+) -> CompletionUsage:
+    """Token counts for completions and chat (no padding, ever); ``reasoning_tokens`` only
+    where a reasoning parser split the output."""
+    details = (
+        None
+        if reasoning_tokens is None
+        else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+    )
     return CompletionUsage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        **_set_unless_none(completion_tokens_details=details),
     )
 
 
@@ -186,11 +204,14 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     """The assistant's message (the SDK's ``ChatCompletionMessage``): ``tool_calls`` only when
-    it called tools."""
+    it called tools; ``reasoning`` and ``reasoning_content`` (vLLM's and DeepSeek's names, the
+    same text; the SDK keeps them in ``model_extra``) only when a reasoning parser found some."""
 
     content: str | None = None
     role: Literal["assistant"]
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoiceLogprobs(BaseModel):
@@ -231,11 +252,14 @@ class DeltaToolCall(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """What a chunk adds to a choice (the SDK's ``ChoiceDelta``)."""
+    """What a chunk adds to a choice (the SDK's ``ChoiceDelta``); reasoning as in
+    :class:`ChatMessage`."""
 
     content: str | None = None
     role: Literal["assistant"] | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -265,16 +289,19 @@ def chat_choice(
     finish_reason: ChatFinishReason,
     logprobs: ChatLogprobs | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> ChatChoice:
     """One finished choice of a chat completion: an assistant message, with its
-    ``tool_calls`` when it called tools.
+    ``tool_calls`` when it called tools and its ``reasoning`` when it has some.
 
     ``logprobs`` (from :func:`chat_logprobs`) is None when the client did not ask for them.
     """
     called: dict[str, Any] = {"tool_calls": tool_calls} if tool_calls else {}  # else unset
     return ChatChoice(
         index=index,
-        message=ChatMessage(role="assistant", content=text, **called),
+        message=ChatMessage(
+            role="assistant", content=text, **called, **_reasoning_fields(reasoning)
+        ),
         finish_reason=finish_reason,
         logprobs=None if logprobs is None else ChatChoiceLogprobs(content=logprobs),
     )
@@ -288,15 +315,17 @@ def chat_response(
     completion_tokens: int,
     created: int | None = None,
     prompt_logprobs: PromptLogprobs | None = None,
+    reasoning_tokens: int | None = None,
 ) -> ChatCompletion:
-    """The whole ``/v1/chat/completions`` response; ``prompt_logprobs`` when asked for."""
+    """The whole ``/v1/chat/completions`` response; ``prompt_logprobs`` when asked for,
+    ``reasoning_tokens`` in the usage where a reasoning parser split the output."""
     return ChatCompletion(
         id=request_id,
         object="chat.completion",
         created=now() if created is None else created,
         model=model,
         choices=list(choices),
-        usage=completion_usage(prompt_tokens, completion_tokens),
+        usage=completion_usage(prompt_tokens, completion_tokens, reasoning_tokens),
         **_set_unless_none(prompt_logprobs=prompt_logprobs),
     )
 
@@ -309,15 +338,18 @@ def chat_stream_choice(
     *,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> ChatStreamChoice:
     """One choice's delta in a chat stream (``tool_calls``, whole, in its last delta).
 
     ``first`` puts ``role: "assistant"`` in the delta (the first delta of each choice only);
-    ``text=None`` leaves ``content`` out (the final delta that only carries ``finish_reason``).
+    ``text=None`` leaves ``content`` out (the final delta that only carries ``finish_reason``);
+    ``reasoning``, when not None, is the reasoning this delta adds.
     """
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
+    delta.update(_reasoning_fields(reasoning))
     if tool_calls:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
     return ChatStreamChoice(
@@ -354,6 +386,11 @@ def chat_chunk(
 def _usage_field(include_usage: bool, usage: CompletionUsage | None) -> dict[str, Any]:
     # OpenAI: with include_usage, every chunk has "usage" (null but in the last one); else none.
     return {"usage": usage} if include_usage or usage is not None else {}
+
+
+def _reasoning_fields(reasoning: str | None) -> dict[str, Any]:
+    # Both names: clients read vLLM's "reasoning" or DeepSeek's "reasoning_content".
+    return {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def _set_unless_none(**fields: Any) -> dict[str, Any]:

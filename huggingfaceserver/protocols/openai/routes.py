@@ -30,20 +30,31 @@ from .encoder_requests import EmbeddingRequest, RerankRequest
 from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
+from .responses_api import ResponsesRequest
 from .serving_encoders import create_embeddings, create_rerank
+from .serving_lora import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from .tokenization import DetokenizeRequest, TokenizeRequest, create_detokenize, create_tokenize
 
 PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
 DEFAULT_PREFIX = "/openai"
 R = TypeVar("R", bound=BaseModel)
 SERVING_CHAT = f"{__package__}.serving_chat"
+SERVING_RESPONSES = f"{__package__}.serving_responses"
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/rerank": RerankRequest,
     "/v1/tokenize": TokenizeRequest,
     "/v1/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 """The body each POST route parses itself, as /openapi.json documents it."""
 
@@ -76,12 +87,13 @@ def json(response: BaseModel) -> Response:
     return JSONBody(to_json(response))
 
 
-async def serving_chat() -> ModuleType:
-    """The completion and chat handlers, imported on first use and off the event loop: an
-    encoder server never needs them (a generation server imports them in :func:`mount_openai`)."""
-    module = sys.modules.get(SERVING_CHAT)
+async def serving(name: str = SERVING_CHAT) -> ModuleType:
+    """The completion, chat and responses handlers, imported on first use and off the event
+    loop: an encoder server never needs them (a generation server imports them in
+    :func:`mount_openai`)."""
+    module = sys.modules.get(name)
     if module is None:
-        module = await asyncio.to_thread(importlib.import_module, SERVING_CHAT)
+        module = await asyncio.to_thread(importlib.import_module, name)
     return module
 
 
@@ -92,12 +104,17 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await (await serving_chat()).create_completion(models, body, request)
+        return await (await serving()).create_completion(models, body, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
-        return await (await serving_chat()).create_chat_completion(models, body, request)
+        return await (await serving()).create_chat_completion(models, body, request)
+
+    @router.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await parse(request, ResponsesRequest)
+        return await (await serving(SERVING_RESPONSES)).create_response(models, body, request)
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -114,6 +131,14 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.post("/v1/detokenize")
     async def detokenize(request: Request) -> Response:
         return json(await create_detokenize(models, await parse(request, DetokenizeRequest)))
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        return await load_lora_adapter(models, await parse(request, LoadLoraAdapterRequest))
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        return await unload_lora_adapter(models, await parse(request, UnloadLoraAdapterRequest))
 
     @router.get("/v1/models")
     async def list_models() -> Response:
@@ -140,5 +165,6 @@ def mount_openai(app: FastAPI, models: ServedModels, prefix: str) -> None:
     served = models.registry.get_models().values()
     if any(isinstance(getattr(m, "backend", None), GenerationBackend) for m in served):
         importlib.import_module(SERVING_CHAT)
+        importlib.import_module(SERVING_RESPONSES)
     app.include_router(openai_router(models, kserve_compatible=prefix == ""), prefix=prefix)
     publish_request_bodies(app, {prefix + path: body for path, body in BODIES.items()}, "OpenAI")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +18,7 @@ from ...errors import ServerError, internal_error_message, log_unexpected
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...observability.request_ids import request_id_in
 from .bodies import JSONBody, new_id, now, to_json
+from .chat_reasoning import ReasoningPlan, ThoughtStreams, count_reasoning_tokens, plan_reasoning
 from .errors import InvalidParameter, OpenAIErrorResponse
 from .logprobs import chat_logprobs, completion_logprobs
 from .models import ServedModels, resolve_generation
@@ -50,7 +51,7 @@ from .serving_generation import (
     sse,
     until_disconnected,
 )
-from .tools import ToolPlan, ToolStream, plan_tools, tool_call_dicts
+from .tools import ParsedMessage, ToolPlan, ToolStream, plan_tools, tool_call_dicts
 
 
 @dataclass
@@ -164,30 +165,52 @@ async def create_chat_completion(
         request.tools, request.tool_choice, request.parallel_tool_calls, model.auto_tool_parser
     )
     params = with_tool_plan(request.to_sampling_params(), tools)
+    reasoning, params = plan_reasoning(model.reasoning, request, params)
     prompt = await prepare_chat(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, [prompt], params, "messages", adapter)
     exchange = Exchange.start(
         "chatcmpl", adapter or model.name, backend, jobs, request.include_usage, raw
     )
     if request.stream:
-        return event_stream(chat_events(exchange, tools))
+        return event_stream(chat_events(exchange, tools, reasoning))
     states = await until_disconnected(raw, collect(backend, jobs))
     choices = []
+    reasonings = []
     for index, state in enumerate(states):
         logprobs = None
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, state.logprobs))
-        message = tools.message("".join(state.text))
+        message, thought = chat_message("".join(state.text), tools, reasoning)
+        reasonings.append(thought or "")
         calls = tool_call_dicts(message.calls)
         reason = "tool_calls" if calls else state.final_reason
-        choices.append(chat_choice(index, message.content, reason, logprobs, calls))
+        shown = None if reasoning is None else reasoning.shown(thought)
+        choices.append(chat_choice(index, message.content, reason, logprobs, calls, shown))
     scored = states[0].prompt_logprobs if request.prompt_logprobs is not None else None
     prompt_logprobs = None
     if scored is not None:
         prompt_logprobs = await asyncio.to_thread(prompt_logprobs_json, exchange.tokenizer, scored)
-    return exchange.respond(
-        functools.partial(chat_response, prompt_logprobs=prompt_logprobs), choices, states
+    reasoning_tokens = None
+    if reasoning is not None:
+        reasoning_tokens = await asyncio.to_thread(
+            count_reasoning_tokens, exchange.tokenizer, reasonings
+        )
+    build = functools.partial(
+        chat_response, prompt_logprobs=prompt_logprobs, reasoning_tokens=reasoning_tokens
     )
+    return exchange.respond(build, choices, states)
+
+
+def chat_message(
+    text: str, tools: ToolPlan, reasoning: ReasoningPlan | None
+) -> tuple[ParsedMessage, str | None]:
+    """A choice's whole text as its message (content and tool calls, parsed from what follows
+    the reasoning) and its reasoning (None without a parser, or none found)."""
+    if reasoning is None:
+        return tools.message(text), None
+    split = reasoning.split(text)
+    message = ParsedMessage(None) if split.content is None else tools.message(split.content)
+    return message, split.reasoning
 
 
 def with_tool_plan(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
@@ -215,10 +238,12 @@ async def framed(
     exchange: Exchange,
     choice_for: Callable[[int, ChoiceDelta], BaseModel | None],
     chunk: Callable[..., BaseModel],
+    reasoning_tokens: Callable[[], Awaitable[int]] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE framing both routes share: a chunk per delta (``chunk`` builds it around the
-    choice ``choice_for`` gives, None to send nothing), the usage chunk when asked for, an
-    error event (not a cut connection) if generation fails, then ``[DONE]``."""
+    choice ``choice_for`` gives, None to send nothing), the usage chunk when asked for (with
+    the count ``reasoning_tokens`` gives, where given), an error event (not a cut connection)
+    if generation fails, then ``[DONE]``."""
     ids = (exchange.request_id, exchange.model, exchange.created)
     completion_tokens = 0
     try:
@@ -228,7 +253,8 @@ async def framed(
             if choice is not None:
                 yield sse(chunk(*ids, choice, include_usage=exchange.include_usage))
         if exchange.include_usage:
-            usage = completion_usage(exchange.prompt_tokens, completion_tokens)
+            counted = None if reasoning_tokens is None else await reasoning_tokens()
+            usage = completion_usage(exchange.prompt_tokens, completion_tokens, counted)
             yield sse(chunk(*ids, usage=usage))
     except ServerError as exc:
         yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
@@ -263,30 +289,38 @@ def completion_events(exchange: Exchange, echo: bool) -> AsyncIterator[str]:
     return framed(exchange, choice_for, completion_chunk)
 
 
-def chat_events(exchange: Exchange, tools: ToolPlan) -> AsyncIterator[str]:
+def chat_events(
+    exchange: Exchange, tools: ToolPlan, reasoning: ReasoningPlan | None = None
+) -> AsyncIterator[str]:
     started: set[int] = set()
     streams: dict[int, ToolStream] = {}
+    thoughts = ThoughtStreams(reasoning)
 
     def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
-        text, calls = delta.text, None
+        thought, text = thoughts.push(index, delta)
+        calls = None
         reason: ChatFinishReason | None = delta.finish_reason
         if tools.calls_tools:
             stream = streams.setdefault(index, ToolStream(tools))
-            text = stream.push(delta.text)
+            text = stream.push(text)
             if reason is not None:
                 rest, calls = stream.finish()
                 text += rest
                 reason = "tool_calls" if calls else reason
-        if not (text or reason or delta.logprobs):
+        if not (text or thought or reason or delta.logprobs):
             return None
         first = index not in started
         started.add(index)
         logprobs = None
         if exchange.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(exchange.tokenizer, delta.logprobs or []))
-        content = text if (text or first) else None
+        content = text if (text or (first and not thought)) else None
         return chat_stream_choice(
-            index, content, reason, logprobs, first=first, tool_calls=calls or None
-        )
+            index, content, reason, logprobs, first=first, tool_calls=calls or None,
+            reasoning=thought,
+        )  # fmt: skip
 
-    return framed(exchange, choice_for, chat_chunk)
+    counted = None
+    if reasoning is not None:
+        counted = functools.partial(thoughts.count_tokens, exchange.tokenizer)
+    return framed(exchange, choice_for, chat_chunk, counted)

@@ -18,6 +18,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
 from ...backends.encoding import Row
+from ...backends.lora import lora_modules
 from ...backends.tokenizing import EncoderFacts, TokenizingEncoder
 from ...cli import ServerConfig
 from ...errors import StartupError
@@ -94,6 +95,13 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.source = source
         self.config = config
         self.client = client
+        if config.enable_runtime_lora:
+            raise StartupError(
+                "--enable_runtime_lora needs one process (--api_workers 1): each front process "
+                "would serve its own list of adapters"
+            )
+        self.adapters = {module.name: module for module in lora_modules(config)}
+        """The LoRA adapters the engine serves, each under its own model name."""
 
     def load(self) -> None:
         state = self.client.wait_ready()
@@ -114,6 +122,7 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
             prompt_ids,
             params,
             adapter,
+            self.adapters,
             self.max_model_len,
             self.vocab_size,
             self.is_encoder_decoder,

@@ -234,7 +234,7 @@ class Engine:
             elif key in self.live:
                 self.channel.send(Deltas(message.id, item), peer)
 
-        request = GenerateRequest(rows, emit)
+        request = GenerateRequest(rows, emit, message.adapter)
         self.live[key] = request
         try:
             backend.batcher.submit(request)

@@ -46,10 +46,13 @@ def load(path: Path, *flags: str) -> TransformersGenerator:
 
 
 async def run(
-    backend: TransformersGenerator, prompt_ids: list[int], params: SamplingParams
+    backend: TransformersGenerator,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    adapter: str | None = None,
 ) -> list[Choice]:
     choices = [Choice() for _ in range(params.n)]
-    async for deltas in backend.generate(prompt_ids, params):
+    async for deltas in backend.generate(prompt_ids, params, adapter):
         for delta in deltas:
             check_delta(choices[delta.index], delta)
     return choices

@@ -1,6 +1,6 @@
 """Our flags and vLLM's pass-through flags as vLLM's ``AsyncEngineArgs``, request parameters as
-vLLM's ``SamplingParams``, LoRA module specs and the backend choice, against the installed
-vLLM's own parser and model registry (no engine is started)."""
+vLLM's ``SamplingParams``, LoRA modules kept out of the engine's argv, and the backend choice,
+against the installed vLLM's own parser and model registry (no engine is started)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
+from huggingfaceserver.backends.lora import LoraModule, lora_modules  # noqa: E402
 from huggingfaceserver.backends.vllm.compat import engine_flag_names  # noqa: E402
 from huggingfaceserver.backends.vllm.engine_args import (  # noqa: E402
-    LoraModule,
     build_engine_args,
     engine_argv,
-    lora_modules,
-    parse_lora_modules,
 )
 from huggingfaceserver.backends.vllm.generation import to_vllm_params  # noqa: E402
 
@@ -94,6 +92,16 @@ def test_pass_through_flags_reach_the_engine(llama_path, spelling):
     assert args.enforce_eager is True
     assert args.gpu_memory_utilization == 0.5
     assert args.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("flag", ["--reasoning-parser", "--reasoning_parser"])
+def test_the_reasoning_parser_is_ours_and_vllms(llama_path, flag):
+    # Ours (the split of chat output) and the engine's (its grammar starts after the reasoning)
+    config = config_for(llama_path, flag, "qwen3")
+    assert config.reasoning_parser == "qwen3" and "reasoning-parser" not in config.engine_flags
+    args = build_engine_args(load_source(config), config)
+    assert args.reasoning_parser == "qwen3"
+    assert engine_args_for(llama_path).reasoning_parser == ""
 
 
 def test_the_users_tensor_parallel_size_is_never_overridden(llama_path):
@@ -253,38 +261,6 @@ def test_greedy_with_several_choices_generates_one():
 def test_a_value_vllm_refuses_is_a_bad_request():
     with pytest.raises(BadRequest, match="min_p"):
         to_vllm_params(SamplingParams(min_p=2.0))
-
-
-# --- LoRA modules ---------------------------------------------------------------------------
-
-
-def test_lora_modules_in_both_forms():
-    values = ["sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}', "a=b=c"]
-    assert parse_lora_modules(values) == [
-        LoraModule("sql", "/adapters/sql"),
-        LoraModule("chat", "/adapters/chat"),
-        LoraModule("a", "b=c"),
-    ]
-
-
-@pytest.mark.parametrize(
-    "value", ["sql", "=/adapters/sql", "sql=", '{"name": "sql"}', '{"name": "sql", ', "[1, 2]"]
-)
-def test_malformed_lora_modules_are_startup_errors(value):
-    with pytest.raises(StartupError, match="--lora-modules"):
-        parse_lora_modules([value])
-
-
-def test_lora_modules_need_enable_lora(llama_path, tmp_path):
-    with pytest.raises(StartupError, match="--enable-lora"):
-        lora_modules(config_for(llama_path, "--lora-modules", f"sql={tmp_path}"))
-
-
-def test_a_missing_lora_adapter_is_a_startup_error(llama_path, tmp_path):
-    missing = tmp_path / "nowhere"
-    config = config_for(llama_path, "--enable-lora", "--lora-modules", f"sql={missing}")
-    with pytest.raises(StartupError, match="sql.*does not exist"):
-        lora_modules(config)
 
 
 # --- backend choice with the real model registry -------------------------------------------

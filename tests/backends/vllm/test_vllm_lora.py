@@ -126,3 +126,39 @@ def test_an_unknown_model_is_404(client):
         greedy(client, "nosuchadapter")
     assert error.value.status_code == 404
     assert "nosuchadapter" in str(error.value)
+
+
+# --- adapters at run time -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime_server(tiny_models: dict[str, Path], tmp_path_factory) -> Iterator[ServerProcess]:
+    """No adapter at startup; the folder ``adapters`` (holding ``sql``, the same adapter as
+    :func:`server`'s) is ``--lora_adapter_dir``."""
+    root = tmp_path_factory.mktemp("vllm-lora-runtime")
+    llama = tiny_models["llama64"]
+    build_lora_adapter(root / "adapters" / "sql", llama)
+    args = ["--model_dir", str(llama), "--model_name", "llm", *VLLM_FLAGS]
+    args += ["--enable-lora", "--max-lora-rank", str(RANK)]
+    args += ["--enable_runtime_lora", "--lora_adapter_dir", str(root / "adapters")]
+    with run_server(args, root, env=vllm_env(root)) as process:
+        yield process
+
+
+def test_an_adapter_loaded_at_run_time_is_served_until_unloaded(runtime_server, client):
+    runtime = openai.OpenAI(base_url=f"{runtime_server.url}/openai/v1", api_key="x", timeout=60)
+    url = f"{runtime_server.url}/openai/v1"
+    outside = httpx.post(
+        f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"}, timeout=30
+    )
+    assert outside.status_code == 400 and "outside --lora_adapter_dir" in outside.text
+    body = {"lora_name": "sql", "lora_path": "sql"}
+    loaded = httpx.post(f"{url}/load_lora_adapter", json=body, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert [model.id for model in runtime.models.list()] == ["llm", "sql"]
+    assert greedy(runtime, "sql").choices[0].text == greedy(client, "sql").choices[0].text
+    unloaded = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert [model.id for model in runtime.models.list()] == ["llm"]
+    with pytest.raises(openai.NotFoundError):
+        greedy(runtime, "sql")

@@ -360,6 +360,39 @@ def test_streamed_chat_adds_up_to_the_whole_answer(client):
     check_streamed_chat_adds_up(client, "llm", MESSAGES)
 
 
+# --- the Responses API ----------------------------------------------------------------------
+
+
+async def test_greedy_responses_equal_the_transformers_backends(server, reference):
+    body = {"model": "llm", "instructions": "Be brief.", "input": "Paris?", "temperature": 0}
+    body["max_output_tokens"] = 12
+    got = post(server, "responses", body)
+    expected = await post_reference(reference, "responses", body)
+    assert got["output"][0]["content"] == expected["output"][0]["content"]
+    assert (got["status"], got["usage"]) == (expected["status"], expected["usage"])
+
+
+def test_streamed_responses_add_up_on_vllm(client):
+    body = {"model": "llm", "input": "Hello world", "max_output_tokens": 12, "temperature": 0}
+    whole = client.responses.create(**body)
+    events = list(client.responses.create(stream=True, **body))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+
+
+def test_a_named_function_tool_is_a_function_call_on_vllm(client):
+    tool = {"type": "function", "name": "answer", "parameters": ANSWER_SCHEMA}
+    response = client.responses.create(
+        model="llm", input="Hello world", tools=[tool], max_output_tokens=64,
+        tool_choice={"type": "function", "name": "answer"},
+    )  # fmt: skip
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "answer"
+    jsonschema.validate(json.loads(call.arguments), ANSWER_SCHEMA)
+
+
 # --- n, seeds -------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
-from tests.harness import build_app, client_for, load_model
+from tests.harness import build_app, client_for, load_model, sdk_for
 from tests.openai_checks import MAX_TOKENS, Reference, middle_substring
 
 COMPLETIONS = "/openai/v1/completions"
@@ -124,15 +124,6 @@ async def ok(model: BackendModel, path: str, body: dict[str, Any]) -> dict[str, 
     return response.json()
 
 
-def sdk(model: BackendModel) -> openai.AsyncOpenAI:
-    transport = httpx.ASGITransport(app=build_app(model))
-    return openai.AsyncOpenAI(
-        base_url="http://test/openai/v1",
-        api_key="unused",
-        http_client=httpx.AsyncClient(transport=transport, base_url="http://test"),
-    )
-
-
 def sse_chunks(response: httpx.Response) -> list[dict[str, Any]]:
     """The JSON chunks of an SSE body, after checking its framing: every event is one
     ``data: {json}`` line followed by a blank line, and the last is ``data: [DONE]``."""
@@ -198,7 +189,7 @@ async def test_greedy_chat_is_generate_on_the_chat_template(served, reference):
     prompt_ids = ref.chat_ids(MESSAGES)
     assert prompt_ids.count(ref.tokenizer.bos_token_id) == 1  # the template's <s>, once
     expected = ref.greedy(prompt_ids)
-    response = await sdk(served("llama")).chat.completions.create(
+    response = await sdk_for(served("llama")).chat.completions.create(
         model="llama", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS
     )
     assert response.object == "chat.completion"
@@ -379,7 +370,7 @@ async def test_n_choices_and_their_usage(served, reference):
 
 
 async def test_sdk_parses_completions_with_n_and_logprobs(served):
-    response = await sdk(served("llama")).completions.create(
+    response = await sdk_for(served("llama")).completions.create(
         model="llama",
         prompt=PROMPTS[0],
         n=2,
@@ -589,7 +580,7 @@ async def test_sdk_streaming_chat(served, reference):
     ref = reference("llama")
     prompt_ids = ref.chat_ids(MESSAGES)
     expected = ref.greedy(prompt_ids)
-    stream = await sdk(served("llama")).chat.completions.create(
+    stream = await sdk_for(served("llama")).chat.completions.create(
         model="llama",
         messages=MESSAGES,
         temperature=0,
@@ -710,7 +701,7 @@ async def test_generation_on_an_encoder_model_is_a_400(served, path):
 
 
 async def test_sdk_raises_typed_errors(served):
-    client = sdk(served("llama"))
+    client = sdk_for(served("llama"))
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="context length"):
@@ -940,7 +931,7 @@ async def test_sdk_parses_a_pydantic_model(served):
         n: int = pydantic.Field(ge=0, le=9)
         ok: bool
 
-    client = sdk(served("llama"))
+    client = sdk_for(served("llama"))
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     parsed = await parse(model="llama", messages=MESSAGES, response_format=Answer, max_tokens=64)
     assert isinstance(parsed.choices[0].message.parsed, Answer)
@@ -1013,7 +1004,7 @@ FORCED_HERMES = (
 
 
 async def test_a_named_tool_choice_yields_a_call_whose_arguments_validate(served):
-    response = await sdk(served("llama")).chat.completions.create(
+    response = await sdk_for(served("llama")).chat.completions.create(
         model="llama",
         messages=MESSAGES,
         tools=WEATHER_TOOLS,
@@ -1056,7 +1047,7 @@ async def test_auto_parses_the_calls_the_model_writes_streamed_or_not(served):
     jsonschema.validate(json.loads(call["function"]["arguments"]), TIME_PARAMETERS)
 
     extra = {"guided_regex": body.pop("guided_regex")}
-    stream = await sdk(model).chat.completions.create(
+    stream = await sdk_for(model).chat.completions.create(
         model="llama", stream=True, extra_body=extra, **body
     )
     content, calls, reasons = "", [], []

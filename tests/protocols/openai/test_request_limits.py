@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from huggingfaceserver.protocols.kserve_model import BackendModel
 from huggingfaceserver.protocols.openai import prompts
-from tests.harness import client_for, load_model
+from tests.harness import client_for, loader
 
 COMPLETIONS = "/openai/v1/completions"
 CHAT = "/openai/v1/chat/completions"
@@ -30,15 +30,7 @@ FIVE_MB = "The capital of France is Paris. " * 160_000
 @pytest.fixture(scope="module")
 def served(tiny_models: dict[str, Path]) -> Callable[..., BackendModel]:
     """``served(*flags)``: the tiny llama loaded as the server loads it, once per flags."""
-    cache: dict[tuple[str, ...], BackendModel] = {}
-
-    def get(*flags: str) -> BackendModel:
-        if flags not in cache:
-            argv = ["--model_dir", str(tiny_models["llama"]), "--model_name", "llama"]
-            cache[flags] = load_model([*argv, "--backend", "huggingface", *flags])
-        return cache[flags]
-
-    return get
+    return loader(tiny_models["llama"], "llama")
 
 
 @pytest.fixture

@@ -156,6 +156,30 @@ SENT = {
         ),
         ChatCompletion,
     ),
+    "chat reasoning and its tokens": Sent(
+        lambda: responses.chat_response(
+            "chatcmpl-1",
+            "m",
+            [responses.chat_choice(0, "Paris.", "stop", reasoning="France's capital.")],
+            4,
+            3,
+            created=7,
+            reasoning_tokens=2,
+        ),
+        ChatCompletion,
+    ),
+    "chat reasoning chunk": Sent(
+        lambda: responses.chat_chunk(
+            "chatcmpl-1", "m", 7, responses.chat_stream_choice(0, first=True, reasoning="Hm")
+        ),
+        ChatCompletionChunk,
+    ),
+    "chat usage chunk with reasoning tokens": Sent(
+        lambda: responses.chat_chunk(
+            "chatcmpl-1", "m", 7, usage=responses.completion_usage(3, 2, 1), include_usage=True
+        ),
+        ChatCompletionChunk,
+    ),
     "chat first chunk": Sent(
         lambda: responses.chat_chunk(
             "chatcmpl-1",
@@ -186,8 +210,8 @@ SENT = {
         ChatCompletionChunk,
     ),
 }
-EXTENSIONS = {"prompt_logprobs"}
-"""Fields we send that the SDK does not declare (vLLM's): it keeps them as extras."""
+EXTENSIONS = {"prompt_logprobs", "reasoning", "reasoning_content"}
+"""Fields we send that the SDK does not declare (vLLM's, DeepSeek's): it keeps them as extras."""
 
 
 def assert_read_as_sent(parsed: Any, sent: Any, path: str = "", free: bool = False) -> None:

@@ -14,7 +14,12 @@ from huggingfaceserver.errors import (
     NotReady,
     ServerError,
 )
-from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams, TokenLogprob
+from huggingfaceserver.generation.params import (
+    ChoiceDelta,
+    Constraint,
+    SamplingParams,
+    TokenLogprob,
+)
 from huggingfaceserver.topology.engine.messages import (
     Abort,
     Deltas,
@@ -120,6 +125,9 @@ EVERY_MESSAGE = [
     Failed(7, 400, "input 0 has no tokens"),
     Abort(8),
     Abort(9, [0, 2]),
+    Generate(  # structured output after a reasoning parser's end marker
+        10, [5], SamplingParams(constraint=Constraint("choice", '["a"]', after="</think>"))
+    ),
 ]
 
 

@@ -1,0 +1,300 @@
+"""LoRA adapters on the transformers backend: greedy tokens equal PEFT's own
+``PeftModel.generate`` for each adapter, with two adapters and the base model decoding in one
+batch; each row keeps its adapter as rows are repeated, dropped, absorbed and split; no CUDA
+graph is replayed for them; adapters that cannot be served are startup errors; adapters loaded
+and unloaded at run time while requests decode."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from huggingfaceserver.backends.pytorch.adapters import BASE
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
+from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
+from huggingfaceserver.generation.params import SamplingParams
+from tests.tiny_models import build_lora_adapter
+
+from .generation_helpers import PROMPTS, load, prompt, run
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ADAPTERS = ("sql", "chat")
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_models: dict[str, Path], tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        name: build_lora_adapter(tiny_models["llama"], root / name, seed)
+        for seed, name in enumerate(ADAPTERS, start=1)
+    }
+
+
+def lora_flags(adapter_dirs: dict[str, Path]) -> list[str]:
+    modules = [f"{name}={path}" for name, path in adapter_dirs.items()]
+    return ["--enable-lora", "--lora-modules", *modules]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, adapter_dirs) -> Iterator[TransformersGenerator]:
+    """The tiny Llama with both adapters, chunked prefill of 8 tokens."""
+    backend = load(tiny_models["llama"], *lora_flags(adapter_dirs), "--prefill_chunk_tokens", "8")
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(tiny_models, adapter_dirs) -> Callable[[list[int], str | None], list[int]]:
+    """PEFT's own ``generate``, greedy, on a model of its own per adapter (None: the base)."""
+    models: dict[str | None, torch.nn.Module] = {}
+
+    def greedy(prompt_ids: list[int], adapter: str | None) -> list[int]:
+        if adapter not in models:
+            model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, adapter_dirs[adapter])
+            models[adapter] = model.eval()
+        with torch.no_grad():
+            output = models[adapter].generate(
+                input_ids=torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=MAX_TOKENS
+            )
+        return output[0, len(prompt_ids) :].tolist()
+
+    return greedy
+
+
+@contextmanager
+def peft_adapter_names(backend: TransformersGenerator) -> Iterator[list[list[str]]]:
+    """The ``adapter_names`` of every PEFT forward made inside the block."""
+    seen: list[list[str]] = []
+
+    def record(_module, _args, kwargs) -> None:
+        seen.append(list(kwargs["adapter_names"]))
+
+    assert backend.lora is not None
+    handle = backend.lora.peft_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def test_adapters_change_the_output(served, peft_greedy) -> None:
+    ids = prompt(served, PROMPTS[1])
+    outputs = {adapter: tuple(peft_greedy(ids, adapter)) for adapter in (None, *ADAPTERS)}
+    assert len(set(outputs.values())) == 3  # else the comparisons below would prove little
+
+
+async def test_each_adapter_alone_equals_peft_generate(served, peft_greedy) -> None:
+    ids = prompt(served, PROMPTS[1])
+    for adapter in (None, *ADAPTERS):
+        (choice,) = await run(served, ids, GREEDY, adapter)
+        assert choice.token_ids == peft_greedy(ids, adapter), adapter
+
+
+async def test_two_adapters_and_the_base_model_share_the_batch(served, peft_greedy) -> None:
+    """Requests of both adapters and of the base model at once, some of several choices,
+    some stopping early (their rows dropped), one prompt fed in parts: each equals PEFT."""
+    requests = [
+        (prompt(served, PROMPTS[2]), "sql", GREEDY),  # 14 tokens: fed in parts of 8
+        (prompt(served, PROMPTS[1]), None, GREEDY),
+        (prompt(served, PROMPTS[0]), "chat", SamplingParams(n=2, temperature=0, max_tokens=5)),
+        (prompt(served, PROMPTS[1]), "chat", GREEDY),
+        (prompt(served, PROMPTS[0]), "sql", SamplingParams(temperature=0, max_tokens=7)),
+        (prompt(served, PROMPTS[0]), None, SamplingParams(n=2, temperature=0, max_tokens=9)),
+    ]
+    assert len(requests[0][0]) > 8
+    with peft_adapter_names(served) as forwards:
+        results = await asyncio.gather(
+            *(run(served, ids, params, adapter) for ids, adapter, params in requests)
+        )
+    for (ids, adapter, params), choices in zip(requests, results, strict=True):
+        expected = peft_greedy(ids, adapter)[: params.max_tokens]
+        assert [choice.token_ids for choice in choices] == [expected] * params.n, adapter
+    assert any({BASE, *ADAPTERS} <= set(names) for names in forwards)  # one mixed forward
+
+
+async def test_no_cuda_graph_is_replayed_for_adapter_batches(served, peft_greedy) -> None:
+    """With adapters, a batch never steps through the graphs (on a CPU the recording is
+    eager, and would otherwise be used): the rows' adapters are not in the recording."""
+    graphs = StepGraphs(served.max_rows, eager)
+    served.graphs = graphs
+    try:
+        batch = served.new_batch()
+        ids = prompt(served, PROMPTS[0])
+        (choice,) = await run(served, ids, GREEDY, "sql")
+    finally:
+        served.graphs = None
+    assert getattr(batch, "graphs", "absent") is None
+    assert graphs.recordings == 0
+    assert choice.token_ids == peft_greedy(ids, "sql")
+
+
+def test_rows_keep_their_adapters_through_split_absorb_and_keep(served) -> None:
+    """Rows prefilled together with different adapters, stepped, split apart, stepped, merged
+    back and thinned: every step's logits equal those of each row alone."""
+    prompts = [prompt(served, text) for text in PROMPTS]
+    adapters = ["sql", None, "chat"]
+    tokens = torch.randint(
+        0, served.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    with torch.inference_mode():
+        alone = []
+        for ids, adapter, count in zip(prompts, adapters, [1, 2, 1], strict=True):
+            batch = served.new_batch()
+            batch.prefill(ids, count, adapter=adapter)
+            alone.append(batch)
+        row_of = [0, 1, 1, 2]  # the prompt of each of the four rows
+        expected = []
+        for step in range(6):
+            logits = [
+                alone[p].step([tokens[r][step] for r in range(4) if row_of[r] == p])
+                for p in range(3)
+            ]
+            expected.append(torch.cat(logits))
+
+        batch = served.new_batch()
+        batch.prefill_together(prompts, [1, 2, 1], adapters)
+        assert batch.adapters == ["sql", BASE, BASE, "chat"]
+        got = [batch.step([tokens[r][0] for r in range(4)])]
+        moved = batch.split([0, 3])  # the adapter rows out, the base rows stay
+        assert (moved.adapters, batch.adapters) == (["sql", "chat"], [BASE, BASE])
+        for step in (1, 2):
+            apart = moved.step([tokens[0][step], tokens[3][step]])
+            rest = batch.step([tokens[1][step], tokens[2][step]])
+            got.append(torch.stack([apart[0], rest[0], rest[1], apart[1]]))
+        assert moved.absorb(batch)  # rows now: sql, chat, base, base
+        assert moved.adapters == ["sql", "chat", BASE, BASE]
+        order = [0, 3, 1, 2]
+        for step in (3, 4):
+            logits = moved.step([tokens[r][step] for r in order])
+            got.append(logits[[0, 2, 3, 1]])
+        moved.keep([1, 2])  # chat and the first base row
+        assert moved.adapters == ["chat", BASE]
+        last = moved.step([tokens[3][5], tokens[1][5]])
+    for step, (mine, theirs) in enumerate(zip(got, expected[:5], strict=True)):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    torch.testing.assert_close(last, expected[5][[3, 1]], atol=1e-4, rtol=1e-4)
+
+
+def test_an_unknown_adapter_is_a_bad_request(served) -> None:
+    with pytest.raises(BadRequest, match="unknown LoRA adapter 'nope'"):
+        served.check_request(prompt(served), GREEDY, "nope")
+
+
+def test_the_adapters_are_the_served_names(served) -> None:
+    assert list(served.adapters) == list(ADAPTERS)
+
+
+def test_a_directory_without_an_adapter_is_a_startup_error(tiny_models, tmp_path) -> None:
+    with pytest.raises(StartupError, match=f"LoRA adapter sql: no PEFT adapter at {tmp_path}"):
+        load(tiny_models["llama"], "--enable-lora", "--lora-modules", f"sql={tmp_path}")
+
+
+def test_an_adapter_of_another_model_is_a_startup_error(tiny_models, adapter_dirs) -> None:
+    """An adapter made for the 32-wide tiny Llama on the 64-wide one: its shapes do not fit."""
+    flags = ["--enable-lora", "--lora-modules", f"sql={adapter_dirs['sql']}"]
+    with pytest.raises(StartupError, match="LoRA adapter sql .* does not fit LlamaForCausalLM"):
+        load(tiny_models["llama64"], *flags)
+
+
+def test_a_sequence_to_sequence_model_takes_no_adapter(tiny_models, adapter_dirs) -> None:
+    flags = ["--enable-lora", "--lora-modules", f"sql={adapter_dirs['sql']}"]
+    with pytest.raises(StartupError, match="need a decoder-only model"):
+        load(tiny_models["t5"], *flags)
+
+
+# --- adapters at run time -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_models, adapter_dirs) -> Iterator[TransformersGenerator]:
+    """The tiny Llama with no adapter at startup, loading them at run time from the folder
+    that holds ``sql`` and ``chat``."""
+    folder = adapter_dirs["sql"].parent
+    backend = load(
+        tiny_models["llama"], "--enable-lora", "--enable_runtime_lora", "--lora_adapter_dir",
+        str(folder),
+    )  # fmt: skip
+    yield backend
+    backend.shutdown()
+
+
+async def test_adapters_load_and_unload_while_requests_run(runtime, peft_greedy) -> None:
+    """A base request decodes while ``sql`` is loaded and later ``chat``; both serve PEFT's
+    output at once; an unloaded adapter is refused from then on. The base request, under way
+    throughout, is the base model's."""
+    ids = prompt(runtime, PROMPTS[1])
+    base = runtime.generate(ids, GREEDY)
+    received = [(await anext(base))[0].token_ids[0]]
+    await runtime.load_adapter("sql", "sql")
+    received.append((await anext(base))[0].token_ids[0])
+    await runtime.load_adapter("chat", str(runtime.config.lora_adapter_dir) + "/chat")
+    assert list(runtime.adapters) == ["sql", "chat"]
+    sql, chat = await asyncio.gather(
+        run(runtime, ids, GREEDY, "sql"), run(runtime, ids, GREEDY, "chat")
+    )
+    received += [deltas[0].token_ids[0] async for deltas in base]
+    assert received == peft_greedy(ids, None)
+    assert sql[0].token_ids == peft_greedy(ids, "sql")
+    assert chat[0].token_ids == peft_greedy(ids, "chat")
+    await runtime.unload_adapter("sql")
+    with pytest.raises(BadRequest, match="unknown LoRA adapter 'sql'"):
+        await run(runtime, ids, GREEDY, "sql")
+    assert (await run(runtime, ids, GREEDY, "chat"))[0].token_ids == peft_greedy(ids, "chat")
+    await runtime.unload_adapter("chat")
+    assert (await run(runtime, ids, GREEDY))[0].token_ids == peft_greedy(ids, None)
+
+
+async def test_an_adapter_in_use_is_not_unloaded(runtime, peft_greedy) -> None:
+    await runtime.load_adapter("sql", "sql")
+    ids = prompt(runtime, PROMPTS[0])
+    stream = runtime.generate(ids, GREEDY, "sql")
+    first = await anext(stream)
+    with pytest.raises(Conflict, match="in use by 1 requests"):
+        await runtime.unload_adapter("sql")
+    rest = [deltas[0].token_ids[0] async for deltas in stream]
+    assert [first[0].token_ids[0], *rest] == peft_greedy(ids, "sql")
+    await runtime.unload_adapter("sql")
+    assert "sql" not in runtime.adapters
+
+
+async def test_a_left_request_frees_its_adapter(runtime) -> None:
+    """A consumer that leaves mid-stream no longer holds the adapter: it unloads, and the
+    requests still decoding go on."""
+    await runtime.load_adapter("sql", "sql")
+    others = runtime.generate(prompt(runtime, PROMPTS[2]), GREEDY, None)
+    await anext(others)
+    stream = runtime.generate(prompt(runtime, PROMPTS[0]), GREEDY, "sql")
+    await anext(stream)
+    await stream.aclose()
+    await runtime.unload_adapter("sql")
+    assert len([deltas async for deltas in others]) == MAX_TOKENS - 1
+
+
+async def test_a_runtime_adapter_that_does_not_fit_is_a_bad_request(
+    runtime, tiny_models, tmp_path_factory
+) -> None:
+    folder = Path(str(runtime.config.lora_adapter_dir))
+    wide = build_lora_adapter(tiny_models["llama64"], folder / "wide", 3)
+    with pytest.raises(BadRequest, match="LoRA adapter wide .* does not fit"):
+        await runtime.load_adapter("wide", str(wide))
+    assert "wide" not in runtime.adapters and not runtime.adapters.loading
+    with pytest.raises(BadRequest, match="outside --lora_adapter_dir"):
+        await runtime.load_adapter("x", str(tmp_path_factory.mktemp("outside")))
+
+
+async def test_runtime_loading_is_a_404_unless_enabled(served) -> None:
+    with pytest.raises(NotFound, match="--enable_runtime_lora"):
+        await served.load_adapter("x", "/tmp")
+    with pytest.raises(NotFound, match="--enable_runtime_lora"):
+        await served.unload_adapter("sql")
