@@ -328,3 +328,21 @@ async def test_streamed_reasoning_comes_as_its_own_item(thinker):
     assert final.usage.output_tokens_details.reasoning_tokens == reasoning_token_count(model_dir)
     whole = await client.responses.create(**body)
     assert whole.output[0].content[0].text == REASONING and whole.output_text == ANSWER
+
+
+async def test_the_sdks_streaming_helper_assembles_the_response(thinker):
+    """``client.responses.stream``: the SDK's own accumulation of the events (it checks that
+    each delta lands on an item and a part it was told of) gives the non-streamed answer, the
+    reasoning item included. (The helper needs ``response.completed``: the scripted model's
+    answer ends by itself.)"""
+    client = sdk(thinker[0])
+    body = {"model": "thinker", "input": "Where is Paris?", "max_output_tokens": 32}
+    whole = await client.responses.create(**body)
+    async with client.responses.stream(**body) as stream:
+        texts = [
+            event.delta async for event in stream if event.type == "response.output_text.delta"
+        ]
+        final = await stream.get_final_response()
+    assert "".join(texts) == final.output_text == whole.output_text == ANSWER
+    assert final.status == whole.status == "completed"
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == REASONING
