@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 from fastapi import FastAPI
 from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
@@ -28,6 +28,9 @@ from huggingfaceserver.edge.serving import ModelAwareDataPlane
 from huggingfaceserver.protocols.kserve_model import BackendModel
 
 REPO = Path(__file__).resolve().parent.parent
+
+if TYPE_CHECKING:  # see sdk_for
+    import openai
 
 
 def build_app(model: BackendModel, openai_prefix: str = "/openai") -> FastAPI:
@@ -66,7 +69,10 @@ def client_for(model: BackendModel, openai_prefix: str = "/openai") -> httpx.Asy
 
 
 def sdk_for(model: BackendModel) -> openai.AsyncOpenAI:
-    """The ``openai`` SDK's async client of ``model``'s app, in-process."""
+    """The ``openai`` SDK's async client of ``model``'s app, in-process. (Imported here: the
+    startup tests run servers from this module, which must not import the SDK.)"""
+    import openai
+
     return openai.AsyncOpenAI(
         base_url="http://test/openai/v1", api_key="unused", http_client=client_for(model)
     )
