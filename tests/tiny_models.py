@@ -370,7 +370,7 @@ def build_gpt2_lm(out_dir: str | Path) -> Path:
     return _save_model(GPT2LMHeadModel, config, out_dir)
 
 
-def build_llama(out_dir: str | Path, hidden_size: int = 32) -> Path:
+def build_llama(out_dir: str | Path, hidden_size: int = 32, max_length: int = MAX_LENGTH) -> Path:
     """LlamaForCausalLM (2 layers, 2 heads, 2 kv heads) with a byte-level BPE chat tokenizer.
 
     vLLM's CPU attention needs a head size of at least 32: ``hidden_size=64`` or more for it.
@@ -383,7 +383,7 @@ def build_llama(out_dir: str | Path, hidden_size: int = 32) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_LENGTH,
+        max_position_embeddings=max_length,
         initializer_range=0.4,  # 20x the default: greedy text that varies with the context
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

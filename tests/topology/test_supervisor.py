@@ -35,6 +35,7 @@ from tests.harness import (
     wait_ready,
     wait_until,
 )
+from tests.tiny_models import build_llama
 
 pytestmark = pytest.mark.slow
 
@@ -397,7 +398,10 @@ def test_the_supervisors_death_leaves_no_child_behind(tiny_models, tmp_path):
 
 
 STREAMS = 4
-DRAINED_STREAM = {"prompt": "Hi", "max_tokens": 120, "n": 16, "logprobs": 20, "ignore_eos": True}
+DRAINED_STREAM = {"prompt": "Hi", "max_tokens": 500, "n": 16, "logprobs": 20, "ignore_eos": True}
+"""Long enough (about 5 s of decoding here) that the first stream is still running when the last
+has begun: at 120 tokens one ended before the fourth began, on a busy machine with faster
+decode steps."""
 
 
 @dataclass(frozen=True)
@@ -412,9 +416,11 @@ class Drain:
 
 @pytest.fixture(scope="module")
 def drained(tiny_models, tmp_path_factory) -> Drain:
-    """SIGTERM to a two-front tiny Llama once each of several streams has begun; all of them
-    run in one decode batch (``--max_batch_size 64``)."""
-    args = llama_args(tiny_models, "--api_workers", "2", "--max_batch_size", "64")
+    """SIGTERM to a two-front tiny Llama (a context of 1,024 tokens, for long streams) once
+    each of several streams has begun; all run in one decode batch (``--max_batch_size 64``)."""
+    long_llama = build_llama(tmp_path_factory.mktemp("long-llama"), max_length=1024)
+    args = ["--model_dir", str(long_llama), "--model_name", "llama", "--backend", "huggingface"]
+    args += ["--api_workers", "2", "--max_batch_size", "64"]
     with run_server(args, tmp_path_factory.mktemp("sigterm"), stop_timeout=5) as server:
         group = group_of(server)
         starts = [threading.Event() for _ in range(STREAMS)]
