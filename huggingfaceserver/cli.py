@@ -21,12 +21,12 @@ from .errors import StartupError
 from .generation.reasoning import REASONING_PARSERS
 from .generation.tool_parsers import TOOL_PARSERS
 from .tasks import Task
+from .units import MiB
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
 BACKENDS = ("auto", "huggingface", "onnx", "openvino", "vllm")
 QUANTIZATIONS = ("int8",)
 LOG_FORMATS = ("text", "json")
-MiB = 1024 * 1024
 DEFAULT_MAX_BATCH_SIZE = 16
 """Rows per batch without ``--max_batch_size``, on torch (encoders and generation)."""
 EXPORT_MAX_BATCH_SIZE = 8

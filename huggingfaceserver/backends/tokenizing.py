@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from ..cli import DEFAULT_MAX_BATCH_SIZE, MiB, ServerConfig
+from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
 from ..encoders.base import to_device
 from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
@@ -25,6 +25,7 @@ from ..sentence.config import pooling_modes
 from ..sentence.prompts import Prompts
 from ..sentence.tokenizer import lower_case_texts
 from ..tasks import Task
+from ..units import MiB
 from .base import EncoderBackend, EncoderInputs, ModelInfo, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
 from .encoding import InputEncoder, Row

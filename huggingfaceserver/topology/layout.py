@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import StartupError
+from ..units import MiB
 from .pod import PodLimits, gib
-
-MiB = 1 << 20
 
 MAX_AUTO_API_WORKERS = 8
 """``--api_workers auto`` on a CUDA device: one front per two cores, at most this many."""

@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-GiB = 1 << 30
+from ..units import GiB
+
 UNLIMITED_MEMORY = 1 << 62
 """A v1 ``memory.limit_in_bytes`` at or above this is "no limit" (the kernel writes
 9223372036854771712, the largest page-aligned value)."""

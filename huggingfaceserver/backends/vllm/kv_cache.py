@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...units import GiB, MiB
+
 if TYPE_CHECKING:
     from ...cli import ServerConfig
     from ...loading import ModelSource
 
 logger = logging.getLogger(__name__)
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 ENV = "VLLM_CPU_KVCACHE_SPACE"
 USER_FLAGS = ("kv-cache-memory-bytes", "gpu-memory-utilization")
