@@ -306,7 +306,10 @@ class ReservedCausalLMBatch(CausalLMBatch):
     ):
         super().__init__(model, lora)
         self.cache = cache
-        self.graphs = graphs if ready_masks and lora is None else None
+        if graphs is not None and (not ready_masks or lora is not None):
+            raise ValueError("recorded decode steps need ready masks and no LoRA adapters")
+        self.graphs = graphs
+        """Recorded decode steps (chosen at load by :class:`~.generator.TransformersGenerator`)."""
         self.ready_masks = ready_masks
         """Whether decode steps hand the model a ready 4-D mask (:func:`takes_ready_masks`)."""
 
@@ -341,11 +344,13 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return self.cache.reserve(tokens)
 
     def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        if self.graphs is not None:
-            self.graphs.bucket(self.cache)  # rows for the padding first: it may move buffers
+        # the rows for the padding first: fitting them may move the buffers
+        size = self.graphs.bucket(self.cache) if self.graphs is not None else None
         mask = self.cache.reserve(1)
         column = self._column(tokens)
-        logits = self.graphs.step(self, column) if self.graphs is not None else None
+        logits = None
+        if self.graphs is not None and size is not None:
+            logits = self.graphs.step(self, column, size)
         if logits is not None:
             self.cache.advance(1)
         else:

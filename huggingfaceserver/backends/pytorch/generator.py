@@ -108,6 +108,16 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(i for i in found if i is not None)
 
 
+def records_steps(ready_masks: bool, device_type: str, enforce_eager: bool, lora: bool) -> bool:
+    """Whether decode steps are recorded as CUDA graphs: on a GPU, unless ``--enforce_eager``,
+    for a model that takes a ready mask (a reserved cache), never with LoRA adapters (each
+    row's adapter is chosen in Python at every step, outside what a graph records)."""
+    graphed = ready_masks and device_type == "cuda" and not enforce_eager
+    if graphed and lora:
+        logger.info("no CUDA graphs: each row's LoRA adapter is chosen in Python per step")
+    return graphed and not lora
+
+
 class TransformersGenerator(GenerationBackend):
     """Generate with an ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM``, every request's
     rows in one continuously batched decode loop (``--max_batch_size`` rows at most)."""
@@ -165,12 +175,10 @@ class TransformersGenerator(GenerationBackend):
                 "builds its own (and waits for the device once), no CUDA graphs",
                 type(model).__name__,
             )
-        graphed = self.ready_masks and self.device.type == "cuda" and not self.config.enforce_eager
-        if graphed and self.lora is not None:
-            logger.info("no CUDA graphs: each row's LoRA adapter is chosen in Python per step")
-        self.graphs = (
-            StepGraphs(self.max_rows, cuda_graph) if graphed and self.lora is None else None
+        graphed = records_steps(
+            self.ready_masks, self.device.type, self.config.enforce_eager, self.lora is not None
         )
+        self.graphs = StepGraphs(self.max_rows, cuda_graph) if graphed else None
         """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA)."""
         self.batcher = ContinuousBatcher(
             self.new_batch,

@@ -130,15 +130,14 @@ class StepGraphs:
         cache.fit_rows(size)
         return size
 
-    def step(self, batch: ReservedCausalLMBatch, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Run a decode step from a recorded graph, after :meth:`bucket` and the cache's
-        :meth:`~.kv_cache.ReservedCache.reserve` of its column: the logits ``[rows, V]``
-        (valid until the next step), or None where no graph serves it (too many rows,
-        recording failed): run it eagerly."""
+    def step(
+        self, batch: ReservedCausalLMBatch, tokens: torch.Tensor, size: int
+    ) -> torch.Tensor | None:
+        """Run a decode step from the graph of bucket ``size`` (what :meth:`bucket` chose),
+        after the cache's :meth:`~.kv_cache.ReservedCache.reserve` of its column: the logits
+        ``[rows, V]`` (valid until the next step), or None where recording failed: run it
+        eagerly."""
         cache = batch.cache
-        size = self.bucket(cache)
-        if size is None:
-            return None
         if self.over is None or self.over[0] is not cache or self.over[1] != cache.layout:
             self.replays.clear()
             self.inputs.clear()

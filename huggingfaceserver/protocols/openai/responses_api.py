@@ -276,7 +276,7 @@ def function_call_item(
     }
 
 
-def new_item_id(kind: Literal["msg", "fc", "rs", "call"]) -> str:
+def new_item_id(kind: Literal["msg", "fc", "rs"]) -> str:
     """An output item's id, as OpenAI writes them (``msg_...``, ``fc_...``)."""
     return new_id(kind).replace("-", "_", 1)
 

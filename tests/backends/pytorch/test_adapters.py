@@ -17,7 +17,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from huggingfaceserver.backends.pytorch.adapters import BASE
-from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.decode_batch import ReservedCausalLMBatch
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator, records_steps
+from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
@@ -123,20 +125,21 @@ async def test_two_adapters_and_the_base_model_share_the_batch(served, peft_gree
     assert any({BASE, *ADAPTERS} <= set(names) for names in forwards)  # one mixed forward
 
 
-async def test_no_cuda_graph_is_replayed_for_adapter_batches(served, peft_greedy) -> None:
-    """With adapters, a batch never steps through the graphs (on a CPU the recording is
-    eager, and would otherwise be used): the rows' adapters are not in the recording."""
-    graphs = StepGraphs(served.max_rows, eager)
-    served.graphs = graphs
-    try:
-        batch = served.new_batch()
-        ids = prompt(served, PROMPTS[0])
-        (choice,) = await run(served, ids, GREEDY, "sql")
-    finally:
-        served.graphs = None
-    assert getattr(batch, "graphs", "absent") is None
-    assert graphs.recordings == 0
-    assert choice.token_ids == peft_greedy(ids, "sql")
+def test_no_cuda_graphs_are_recorded_with_adapters() -> None:
+    """The rows' adapters are chosen in Python at every step, outside what a graph records:
+    decided once, at load (a batch given graphs and adapters refuses them)."""
+    assert records_steps(True, "cuda", False, lora=False)
+    assert not records_steps(True, "cuda", False, lora=True)
+    assert not records_steps(True, "cuda", True, lora=False)
+    assert not records_steps(False, "cuda", False, lora=False)
+    assert not records_steps(True, "cpu", False, lora=False)
+
+
+def test_an_adapter_server_has_no_graphs_and_refuses_them(served) -> None:
+    assert served.graphs is None
+    cache = ReservedCache(served.cache_layers, 2, served.model.device)
+    with pytest.raises(ValueError, match="no LoRA"):
+        ReservedCausalLMBatch(served.model, cache, StepGraphs(2, eager), lora=served.lora)
 
 
 def test_rows_keep_their_adapters_through_split_absorb_and_keep(served) -> None:

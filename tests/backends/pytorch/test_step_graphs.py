@@ -145,6 +145,14 @@ def test_the_rows_padding_a_bucket_attend_to_every_column(backends) -> None:
         assert (mask[row, 0, 0, graphed.cache.end :] == lowest).all()
 
 
+def test_graphs_are_refused_without_ready_masks_or_with_adapters(backends) -> None:
+    """Load decides; a batch built against that decision is a programming error, said at once."""
+    backend = backends("llama")
+    cache = ReservedCache(backend.cache_layers, 4, backend.model.device)
+    with pytest.raises(ValueError, match="ready masks and no LoRA"):
+        ReservedCausalLMBatch(backend.model, cache, StepGraphs(4, eager), ready_masks=False)
+
+
 def test_a_recording_that_fails_leaves_the_steps_eager(backends, caplog) -> None:
     backend = backends("llama")
     calls = []
