@@ -19,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +31,7 @@ from ..errors import ServerError
 from ..observability.metrics import EncoderBatchMetrics
 from .encoding import Row
 from .loop_calls import LoopCalls, deferred
+from .worker_calls import WorkerCalls
 
 if TYPE_CHECKING:
     import torch
@@ -164,7 +164,7 @@ class EncoderBatcher:
         self.expected = 0
         """Requests being prepared that will be submitted soon."""
         self.thread: threading.Thread | None = None
-        self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.calls = WorkerCalls()
         self.closed: ServerError | None = None
         """Set by :meth:`close`: what requests not run fail with."""
 
@@ -173,11 +173,10 @@ class EncoderBatcher:
         must run on the thread that runs the forward passes. OpenMP keeps a team of threads
         per calling thread, and a second team (say, the loader thread's) makes libgomp cut
         its workers' spin-waits short, which slowed every small forward pass down by half."""
-        done: Future[T] = Future()
         with self.wake:
             self._refuse_if_closed()
             self._start()
-            self.calls.append((function, done))
+            done = self.calls.add(function)
             self.wake.notify()
         return done.result()
 
@@ -243,13 +242,11 @@ class EncoderBatcher:
         assert error is not None, "called once closed"
         with self.wake:
             requests, self.waiting = list(self.waiting), deque()
-            calls, self.calls = list(self.calls), deque()
             self.metrics.taken(len(requests))
             self.metrics.idle()
         for request in requests:
             request.end(error)
-        for _, done in calls:
-            done.set_exception(error)
+        self.calls.fail(error)
 
     def _gather(self) -> list[Request]:
         """Every waiting request, after waiting (bounded) for those still being prepared;
@@ -276,21 +273,12 @@ class EncoderBatcher:
             self.metrics.taken(len(requests))
         return [r for r in requests if not r.cancelled]  # a client that left is skipped
 
-    def _run_calls(self) -> None:
-        while self.calls:
-            with self.wake:
-                function, done = self.calls.popleft()
-            try:
-                done.set_result(function())
-            except BaseException as exc:  # handed to the caller
-                done.set_exception(exc)
-
     def _waiting_rows(self) -> int:
         return sum(len(request.rows) for request in self.waiting)
 
     def _work(self) -> None:
         while self.closed is None:
-            self._run_calls()
+            self.calls.run()
             requests = self._gather()
             pending = [(request, i) for request in requests for i in range(len(request.rows))]
             for batch in plan_batches(pending, self.limits):

@@ -29,9 +29,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +39,7 @@ from ...errors import NotReady, ServerError
 from ...generation.params import ChoiceDelta, TokenLogprob
 from ...observability.metrics import DecodeLoopMetrics, Timeline
 from ..loop_calls import deferred
+from ..worker_calls import WorkerCalls
 from .decode_batch import DecodeBatch
 from .logits import prompt_token_logprobs
 from .sampling import SamplingBatch
@@ -130,7 +130,7 @@ class ContinuousBatcher:
         self.metrics = DecodeLoopMetrics(model_name)
         self.waiting: deque[Request] = deque()
         self.running: list[Running] = []
-        self.calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.calls = WorkerCalls()
         self.wake = threading.Condition()
         self.closed = False
         self.stopped: ServerError = NotReady("the server is shutting down")
@@ -150,21 +150,12 @@ class ContinuousBatcher:
     def run_on_loop(self, function: Callable[[], T]) -> T:
         """``function()`` on the decode thread, waited for: torch's CPU threads must be set on
         the thread that runs the forward passes (OpenMP keeps a team per calling thread)."""
-        done: Future[T] = Future()
         with self.wake:
             if self.closed:
                 raise self.stopped
-            self.calls.append((function, done))
+            done = self.calls.add(function)
             self.wake.notify()
         return done.result()
-
-    def _run_calls(self) -> None:
-        while self.calls:
-            function, done = self.calls.popleft()
-            try:
-                done.set_result(function())
-            except BaseException as exc:  # handed to the caller
-                done.set_exception(exc)
 
     def close(self, error: ServerError | None = None, timeout: float = STOP_TIMEOUT_S) -> bool:
         """Stop the loop after the step under way; requests still waiting or running end with
@@ -195,7 +186,7 @@ class ContinuousBatcher:
                 if self.closed:
                     break
                 admitted = self._admit()
-            self._run_calls()
+            self.calls.run()
             with torch.inference_mode(), deferred():  # loops woken once per step
                 whole = self._begin_in_parts(admitted)
                 for requests in prefill_groups(whole):
@@ -210,7 +201,6 @@ class ContinuousBatcher:
         running batches (their KV caches) are let go."""
         with self.wake:
             waiting, self.waiting = list(self.waiting), deque()
-            calls, self.calls = list(self.calls), deque()
         self.metrics.queue_length(0, -len(waiting))
         with deferred():
             for request in waiting:
@@ -221,8 +211,7 @@ class ContinuousBatcher:
                 self._end(part.request, self.stopped)
         self.running.clear()
         self.prefilling.clear()
-        for _, done in calls:
-            done.set_exception(self.stopped)
+        self.calls.fail(self.stopped)
 
     def _admit(self) -> list[Request]:
         """Take the waiting requests whose rows fit (the first one always fits an idle loop)."""
