@@ -79,7 +79,7 @@ run: bytecode
 # README run against it as written (its text is gibberish; serve a real model with --model_id).
 run-llm: install
 	test -f $(LLM_DIR)/config.json || $(BIN)/python -c \
-		"from tests.tiny_models import build_llama; build_llama('$(LLM_DIR)', hidden_size=64)"
+		"from tiny_models import build_llama; build_llama('$(LLM_DIR)', hidden_size=64)"
 	HF_HUB_OFFLINE=1 exec $(BIN)/python -m huggingfaceserver --model_dir $(LLM_DIR) \
 		--model_name llm --backend $(BACKEND) --http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT)
 
@@ -138,13 +138,13 @@ print-%:
 	@echo '$($*)'
 
 lint: install
-	$(BIN)/ruff check huggingfaceserver tests
-	$(BIN)/ruff format --check huggingfaceserver tests
+	$(BIN)/ruff check huggingfaceserver tests bench tiny_models.py
+	$(BIN)/ruff format --check huggingfaceserver tests bench tiny_models.py
 	$(BIN)/mypy huggingfaceserver
 
 format: install
-	$(BIN)/ruff check --fix huggingfaceserver tests
-	$(BIN)/ruff format huggingfaceserver tests
+	$(BIN)/ruff check --fix huggingfaceserver tests bench tiny_models.py
+	$(BIN)/ruff format huggingfaceserver tests bench tiny_models.py
 
 clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

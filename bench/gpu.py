@@ -111,11 +111,6 @@ class GpuEncoderResult:
             ),
         ]
 
-    def section(self) -> list[str]:
-        from .gpu_report import encoder_section
-
-        return encoder_section(self)
-
 
 @dataclass
 class GpuGenerationResult:
@@ -128,11 +123,6 @@ class GpuGenerationResult:
 
     def targets(self) -> list[Target]:
         return []  # reported as ratios only
-
-    def section(self) -> list[str]:
-        from .gpu_report import generation_section
-
-        return generation_section(self)
 
 
 def _raw_texts(batch_size: int) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
 
-from tests.tiny_models import train_llama_tokenizer
+from tiny_models import train_llama_tokenizer
 
 from .models import (
     LABELS,

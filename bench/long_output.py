@@ -178,11 +178,6 @@ class LongOutputResult:
     def targets(self) -> list[Target]:
         return [t for layout in self.layouts if layout.runs for t in layout_targets(self, layout)]
 
-    def section(self) -> list[str]:
-        from .long_output_report import section
-
-        return section(self)
-
 
 def _ratio(above: list[float], below: list[float]) -> float:
     """The median of the rounds' ratios (the two runs of a round ran minutes apart at most)."""

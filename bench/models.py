@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tests.tiny_models import train_llama_tokenizer
+from tiny_models import train_llama_tokenizer
 
 SEED = 0
 MINILM_TOKENIZER_FILES = (

@@ -111,11 +111,6 @@ class OverheadResult:
     def targets(self) -> list[Target]:
         return list(_targets(self))
 
-    def section(self) -> list[str]:
-        from .overhead_report import section
-
-        return section(self)
-
 
 def _at(plan: Plan, port: int) -> Plan:
     return dataclasses.replace(plan, port=port)

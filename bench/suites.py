@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from .workloads import WORKLOADS, Settings, Workload
 
@@ -96,6 +96,29 @@ class ClassicOutcome:
         return workload_section(self.result)
 
 
+class Measured(Protocol):
+    def targets(self) -> list[Target]: ...
+
+
+M = TypeVar("M", bound=Measured)
+
+
+@dataclass
+class Reported(Generic[M]):
+    """A workload's result with the function that writes its report section, where that
+    function lives in a report module of its own (which imports the result's module, never the
+    other way round)."""
+
+    result: M
+    write: Callable[[M], list[str]]
+
+    def targets(self) -> list[Target]:
+        return self.result.targets()
+
+    def section(self) -> list[str]:
+        return self.write(self.result)
+
+
 def _classic(workload: Workload) -> Suite:
     def run(context: Context) -> Outcome:
         from .runner import measure_workload
@@ -109,12 +132,13 @@ def _classic(workload: Workload) -> Suite:
 
 
 def _overhead(context: Context) -> Outcome:
-    from . import overhead
+    from . import overhead, overhead_report
 
     model_dir = context.models.overhead
-    return overhead.measure(
+    result = overhead.measure(
         model_dir, context.settings, context.cache, context.log_dir, context.baseline_ref
     )
+    return Reported(result, overhead_report.section)
 
 
 def _cold_start(context: Context) -> Outcome:
@@ -176,9 +200,10 @@ def _variants(context: Context) -> Outcome:
 
 
 def _long_output(context: Context) -> Outcome:
-    from . import long_output
+    from . import long_output, long_output_report
 
-    return long_output.measure(context.models.long_llama, context.settings, context.log_dir)
+    result = long_output.measure(context.models.long_llama, context.settings, context.log_dir)
+    return Reported(result, long_output_report.section)
 
 
 def _host_cost(context: Context) -> Outcome:
@@ -201,14 +226,18 @@ def _soak(context: Context) -> Outcome:
 
 def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
+    from .gpu_report import encoder_section
 
-    return measure_encoder(context.gpu_models, context.settings, context.log_dir)
+    result = measure_encoder(context.gpu_models, context.settings, context.log_dir)
+    return Reported(result, encoder_section)
 
 
 def _gpu_generation(context: Context) -> Outcome:
     from .gpu import measure_generation
+    from .gpu_report import generation_section
 
-    return measure_generation(context.gpu_models, context.settings, context.log_dir)
+    result = measure_generation(context.gpu_models, context.settings, context.log_dir)
+    return Reported(result, generation_section)
 
 
 def _no_cuda() -> str | None:

@@ -12,7 +12,7 @@ import pytest
 from huggingfaceserver.generation.constraints import Grammars
 from huggingfaceserver.protocols.kserve_model import EncoderModel
 from tests.harness import load_model
-from tests.tiny_models import build_all
+from tiny_models import build_all
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,13 @@ Each builder takes ``(out_dir, layout)`` and writes one folder:
   ``sentence_transformers.models.*`` type names, ``pooling_mode_*`` booleans with
   ``word_embedding_dimension``, ``sentence_bert_config.json`` =
   ``{"max_seq_length", "do_lower_case"}`` while the tokenizer's ``model_max_length`` stays
-  :data:`~tests.tiny_models.MAX_LENGTH`; SPLADE models get the 5.x layout instead.
+  :data:`~tiny_models.MAX_LENGTH`; SPLADE models get the 5.x layout instead.
 - cross-encoders also come as ``"st4"`` (ST 4.x-5.x: no ``modules.json``, the activation in
   ``config.json["sentence_transformers"]``); their ``"st3"`` is ST < 4 (no ``modules.json``, at
   most ``config.json["sbert_ce_default_activation_function"]``).
 
 Both layouts of a model hold identical weights: the backbone is seeded like
-:mod:`tests.tiny_models` (with ``initializer_range`` 0.4, so that CLS pooling and cross-encoder
+:mod:`tiny_models` (with ``initializer_range`` 0.4, so that CLS pooling and cross-encoder
 scores vary with the text) and every Dense / LayerNorm is built from its own seed, with random,
 non-identity weights. Building twice gives byte-identical files; :func:`build_sentence_models`
 builds all 48 folders in 2-5 s, plus about 5 s to import sentence-transformers (which only the
@@ -49,7 +49,7 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from tests.tiny_models import (
+from tiny_models import (
     MAX_LENGTH,
     SEED,
     _bert_config,
@@ -122,7 +122,7 @@ def _build_bert(out_dir: Path, model_class=BertModel, lowercase: bool = True, **
 
 
 def _train_qwen_tokenizer(out_dir: Path) -> Qwen2Tokenizer:
-    """A Qwen2Tokenizer (byte-level BPE from :data:`~tests.tiny_models.CORPUS`) like
+    """A Qwen2Tokenizer (byte-level BPE from :data:`~tiny_models.CORPUS`) like
     Qwen3-Embedding's: its post-processor appends ``<|endoftext|>`` to every text, it pads on the
     left with ``<|endoftext|>``. Normalizer and pre-tokenizer are Qwen2Tokenizer's own (NFC, the
     Qwen split regex), which it rebuilds on load; it keeps the post-processor from tokenizer.json.

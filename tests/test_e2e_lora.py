@@ -17,7 +17,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.harness import ServerProcess, run_server
-from tests.tiny_models import build_lora_adapter
+from tiny_models import build_lora_adapter
 
 pytestmark = pytest.mark.slow
 

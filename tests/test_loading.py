@@ -24,7 +24,7 @@ from huggingfaceserver.loading import (
     tokenizer_class_named,
 )
 from huggingfaceserver.tasks import Task
-from tests.tiny_models import BUILDERS
+from tiny_models import BUILDERS
 
 MAIN_COMMIT = "a" * 40
 V1_COMMIT = "b" * 40

@@ -20,7 +20,7 @@ from tests.sentence_models import (
     SPARSE,
     UNSUPPORTED,
 )
-from tests.tiny_models import CORPUS, MAX_LENGTH
+from tiny_models import CORPUS, MAX_LENGTH
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 CrossEncoder = sentence_transformers.CrossEncoder

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tests.tiny_models import build_llama
+from tiny_models import build_llama
 
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING = "Paris is the capital"

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from huggingfaceserver.backends.encoding import FEW_INPUTS, InputEncoder
 from huggingfaceserver.backends.long_inputs import InputTooLong
 from huggingfaceserver.backends.truncation import Truncation
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 TEXTS = [
     "john lives in new york",

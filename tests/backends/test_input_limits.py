@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from huggingfaceserver.backends.encoding import InputEncoder
 from huggingfaceserver.backends.long_inputs import InputTooLong
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 MAX_LENGTH = 24
 TOKENIZERS = [

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 
 from huggingfaceserver.edge.http_errors import install_error_handlers
 from tests.harness import REPO, ServerProcess, run_server
-from tests.tiny_models import build_encoder_architecture, build_llama
+from tiny_models import build_encoder_architecture, build_llama
 
 slow = pytest.mark.slow  # the tests that start servers
 

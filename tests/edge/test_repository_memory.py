@@ -26,7 +26,7 @@ from transformers import (
 
 from tests.harness import ServerProcess, run_server, wait_until
 from tests.prometheus import scrape
-from tests.tiny_models import (
+from tiny_models import (
     CORPUS,
     _bert_config,
     _labels,

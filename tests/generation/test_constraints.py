@@ -16,7 +16,7 @@ from huggingfaceserver.backends.pytorch.masks import mask_disallowed, unpack_bit
 from huggingfaceserver.errors import BadRequest
 from huggingfaceserver.generation.constraints import GrammarMatcher, Grammars
 from huggingfaceserver.generation.params import Constraint
-from tests.tiny_models import train_llama_tokenizer
+from tiny_models import train_llama_tokenizer
 
 NEG_INF = float("-inf")
 CONSTRAINTS = [

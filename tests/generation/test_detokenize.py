@@ -22,7 +22,7 @@ from huggingfaceserver.generation.detokenize import (
     find_stop,
     partial_stop_length,
 )
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 MULTIBYTE = "Hello wörld 日本 😀! The capital of France is Paris."
 PARIS = "The capital of France is Paris. Berlin is the capital of Germany."

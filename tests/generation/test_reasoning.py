@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from huggingfaceserver.generation.reasoning import REASONING_PARSERS, ReasoningSplit
-from tests.tiny_models import train_llama_tokenizer
+from tiny_models import train_llama_tokenizer
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 TEXTS = [

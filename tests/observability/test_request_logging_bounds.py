@@ -12,7 +12,7 @@ import pytest
 
 from huggingfaceserver.observability.request_notes import preview
 from tests.harness import ServerProcess, run_server
-from tests.tiny_models import build_bert_sequence_classification
+from tiny_models import build_bert_sequence_classification
 
 
 def test_inputs_that_fit_are_shown_whole():

@@ -16,7 +16,7 @@ from huggingfaceserver.encoders.params import EncodeParams
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.protocols.kserve_inputs import instances_from_v2
 from tests.harness import client_for, load_model
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 TEXTS = ["The capital of France is Paris.", "food", " ".join(CORPUS[:6])]
 PAIRS = [["Where is Paris?", "Paris is in France."], ["Where is Paris?", "A red ball."]]

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.harness import client_for
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 NAME = "emb"
 LIMIT = 3

@@ -11,7 +11,7 @@ import pytest
 
 from tests.harness import client_for
 from tests.sentence_models import CROSS_ENCODER_LAYOUTS, CROSS_ENCODERS, EMBEDDERS, LAYOUTS, SPARSE
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 BACKENDS = ["huggingface", "onnx"]
 TEXTS = [

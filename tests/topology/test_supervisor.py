@@ -35,7 +35,7 @@ from tests.harness import (
     wait_ready,
     wait_until,
 )
-from tests.tiny_models import build_llama
+from tiny_models import build_llama
 
 pytestmark = pytest.mark.slow
 

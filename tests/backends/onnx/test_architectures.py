@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from tests.harness import client_for
-from tests.tiny_models import build_encoder_architecture
+from tiny_models import build_encoder_architecture
 
 ARCHITECTURES = [
     "bert",

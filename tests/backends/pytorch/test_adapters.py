@@ -23,7 +23,7 @@ from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
-from tests.tiny_models import build_lora_adapter
+from tiny_models import build_lora_adapter
 
 from .generation_helpers import PROMPTS, load, prompt, run
 

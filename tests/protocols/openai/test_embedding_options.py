@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from tests.harness import client_for
 from tests.protocols.openai.test_encoder_routes import sdk
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 TEXTS = ["The capital of France is Paris.", "food", " ".join(CORPUS[:6])]
 LONG = " ".join(CORPUS[:6])

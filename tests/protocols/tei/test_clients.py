@@ -21,7 +21,7 @@ import pytest
 from huggingface_hub import InferenceClient
 
 from tests.harness import REPO, run_server
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.harness import client_for
-from tests.tiny_models import CORPUS
+from tiny_models import CORPUS
 
 TEXTS = ["The capital of France is Paris.", "food", " ".join(CORPUS[:6])]
 
