@@ -360,6 +360,10 @@ class ReservedCausalLMBatch(CausalLMBatch):
         self.positions = self.positions + 1
         return logits
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
     def forward_whole(
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:

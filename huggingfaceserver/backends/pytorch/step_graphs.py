@@ -24,14 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .kv_cache import ReservedCache
-
-if TYPE_CHECKING:
-    from .decode_batch import ReservedCausalLMBatch
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +101,22 @@ class StepInputs:
         return cls(longs(rows, 1), longs(rows, 1), mask, longs(1))
 
 
+class GraphedBatch(Protocol):
+    """What a recorded step needs of its batch
+    (:class:`~.decode_batch.ReservedCausalLMBatch`)."""
+
+    cache: ReservedCache
+    positions: torch.Tensor
+    """``[rows]``: each row's next position."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def forward_whole(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class StepGraphs:
     """The recorded decode steps of one model's reserved batches (used on the decode thread)."""
 
@@ -130,9 +143,7 @@ class StepGraphs:
         cache.fit_rows(size)
         return size
 
-    def step(
-        self, batch: ReservedCausalLMBatch, tokens: torch.Tensor, size: int
-    ) -> torch.Tensor | None:
+    def step(self, batch: GraphedBatch, tokens: torch.Tensor, size: int) -> torch.Tensor | None:
         """Run a decode step from the graph of bucket ``size`` (what :meth:`bucket` chose),
         after the cache's :meth:`~.kv_cache.ReservedCache.reserve` of its column: the logits
         ``[rows, V]`` (valid until the next step), or None where recording failed: run it
@@ -144,7 +155,7 @@ class StepGraphs:
             self.over = (cache, cache.layout)
         inputs = self.inputs.get(size)
         if inputs is None:
-            dtype = batch.model.dtype
+            dtype = batch.dtype
             inputs = StepInputs.allocate(size, cache.column_capacity, dtype, cache.device)
             self.inputs[size] = inputs
         rows = cache.rows
@@ -159,9 +170,7 @@ class StepGraphs:
                 return None
         return replay()[:rows, -1]
 
-    def _record(
-        self, batch: ReservedCausalLMBatch, size: int, inputs: StepInputs
-    ) -> Forward | None:
+    def _record(self, batch: GraphedBatch, size: int, inputs: StepInputs) -> Forward | None:
         cache = batch.cache
 
         def forward() -> torch.Tensor:
