@@ -9,10 +9,20 @@ embedded (and counted as the request's tokens) is that whole text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ..encoders.params import EncodeParams
 from ..errors import BadRequest, StartupError
 from .config import SentenceConfig
+
+
+class PromptChoice(Protocol):
+    """A request's prompt choice (:class:`~huggingfaceserver.encoders.params.EncodeParams`)."""
+
+    @property
+    def prompt(self) -> str | None: ...
+
+    @property
+    def prompt_name(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class Prompts:
         name = sentence.default_prompt_name if sentence is not None else None
         return cls(prompts, prompts.get(name, "") if name else "")
 
-    def text(self, params: EncodeParams) -> str:
+    def text(self, params: PromptChoice) -> str:
         """The prompt a request's texts get ("" for none); a 400 for a name the model does
         not have, listing those it has."""
         if params.prompt is not None:
