@@ -53,8 +53,8 @@ import aiohttp
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from huggingfaceserver.backends.batching import Request as EncodeRequest
-from huggingfaceserver.backends.pytorch.decode_loop import Request
+from huggingfaceserver.backends.batching import EncodeRequest
+from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
 from huggingfaceserver.backends.pytorch.encoder import TransformersEncoder
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
@@ -345,7 +345,7 @@ def server_loop(
 
     params = SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True)
     requests = [
-        Request(backend.new_sequences(ids, params, with_text=False), emit) for ids in prompts
+        DecodeRequest(backend.new_sequences(ids, params, with_text=False), emit) for ids in prompts
     ]
     batcher = backend.batcher
     counter = SyncCounter(backend.device)
@@ -362,7 +362,7 @@ def server_loop(
     return LoopRun(int(forwards[0]), cpu, forwards[1], counter.outside_module, counter.in_module)
 
 
-def _submit_all(batcher: Any, requests: list[Request]) -> None:
+def _submit_all(batcher: Any, requests: list[DecodeRequest]) -> None:
     """On the decode thread: the requests are admitted at the same step."""
     for request in requests:
         batcher.submit(request)

@@ -41,7 +41,7 @@ STOP_TIMEOUT_S = 60.0
 """How long :meth:`EncoderBatcher.close` waits for the forward pass under way."""
 RunBatch = Callable[[BatchEncoding, list[str]], list[Any]]
 """Runs a merged batch on the batcher's thread, given each row's kind (see
-:attr:`Request.kind`); a result per row."""
+:attr:`EncodeRequest.kind`); a result per row."""
 Settle = Callable[[list[Any] | BaseException], None]
 """Receives a request's results (or the exception that failed it), on the batcher's thread."""
 
@@ -65,7 +65,7 @@ def collate(rows: list[Row], pad_values: dict[str, int]) -> BatchEncoding:
 
 
 @dataclass(eq=False)
-class Request:
+class EncodeRequest:
     rows: list[Row]
     settle: Settle
     """Called once, on the batcher's thread, with the results or the failure."""
@@ -122,12 +122,12 @@ class BatchLimits:
 
 
 def plan_batches(
-    pending: list[tuple[Request, int]], limits: BatchLimits
-) -> list[list[tuple[Request, int]]]:
+    pending: list[tuple[EncodeRequest, int]], limits: BatchLimits
+) -> list[list[tuple[EncodeRequest, int]]]:
     """Cut (request, row index) pairs, sorted by length, into batches within the limits."""
     ordered = sorted(pending, key=lambda item: len(item[0].rows[item[1]]["input_ids"]))
-    batches: list[list[tuple[Request, int]]] = []
-    current: list[tuple[Request, int]] = []
+    batches: list[list[tuple[EncodeRequest, int]]] = []
+    current: list[tuple[EncodeRequest, int]] = []
     for item in ordered:
         length = len(item[0].rows[item[1]]["input_ids"])
         too_many = len(current) + 1 > limits.max_batch_size
@@ -159,7 +159,7 @@ class EncoderBatcher:
         self.pad_values = pad_values
         self.limits = limits
         self.metrics = EncoderBatchMetrics(model_name, limits.max_batch_size)
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[EncodeRequest] = deque()
         self.wake = threading.Condition()
         self.expected = 0
         """Requests being prepared that will be submitted soon."""
@@ -207,12 +207,12 @@ class EncoderBatcher:
         raises the error :meth:`close` was given."""
         self._refuse_if_closed()
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        request = Request(rows, future_settle(future), kind)
+        request = EncodeRequest(rows, future_settle(future), kind)
         future.add_done_callback(lambda f: setattr(request, "cancelled", f.cancelled()))
         self.submit(request)
         return future
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: EncodeRequest) -> None:
         """Queue a request (from any thread); its ``settle`` gets the outcome."""
         with self.wake:
             self._refuse_if_closed()
@@ -248,7 +248,7 @@ class EncoderBatcher:
             request.end(error)
         self.calls.fail(error)
 
-    def _gather(self) -> list[Request]:
+    def _gather(self) -> list[EncodeRequest]:
         """Every waiting request, after waiting (bounded) for those still being prepared;
         none once closed."""
         with self.wake:
@@ -292,7 +292,7 @@ class EncoderBatcher:
                         request.end(self.closed)
         self._fail_waiting()
 
-    def _run(self, batch: list[tuple[Request, int]]) -> None:
+    def _run(self, batch: list[tuple[EncodeRequest, int]]) -> None:
         self._count(batch)
         try:
             encoded = collate([request.rows[i] for request, i in batch], self.pad_values)
@@ -307,7 +307,7 @@ class EncoderBatcher:
             if request.done == len(request.rows):
                 request.end(request.results)
 
-    def _count(self, batch: list[tuple[Request, int]]) -> None:
+    def _count(self, batch: list[tuple[EncodeRequest, int]]) -> None:
         """The batch's size, and the queue time of the requests it starts."""
         self.metrics.batch_started(len(batch))
         now = time.perf_counter()

@@ -34,7 +34,7 @@ from transformers import BatchEncoding
 from ..cli import ServerConfig
 from ..errors import StartupError, UpstreamError, UpstreamTimeout
 from ..loading import ModelSource
-from .batching import BatchLimits, Request, collate, plan_batches
+from .batching import BatchLimits, EncodeRequest, collate, plan_batches
 from .encoding import Row
 from .tokenizing import TokenizingEncoder, results_by_kind
 
@@ -116,7 +116,7 @@ class RemoteEncoder(TokenizingEncoder):
         a result per row, in order."""
         size = self.config.max_batch_size or self.default_max_batch_size()
         limits = BatchLimits(self.config.max_batch_tokens, size)
-        request = Request(rows, settle=lambda _: None, kind=kind)
+        request = EncodeRequest(rows, settle=lambda _: None, kind=kind)
         plan = plan_batches([(request, index) for index in range(len(rows))], limits)
         try:
             async with asyncio.timeout(self.timeout_s):

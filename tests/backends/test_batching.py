@@ -12,7 +12,7 @@ import torch
 
 from huggingfaceserver.backends.batching import (
     BatchLimits,
-    Request,
+    EncodeRequest,
     collate,
     plan_batches,
 )
@@ -29,9 +29,9 @@ TEXTS = [
 ] * 3
 
 
-def rows_of(lengths: list[int]) -> list[tuple[Request, int]]:
+def rows_of(lengths: list[int]) -> list[tuple[EncodeRequest, int]]:
     rows = [{"input_ids": np.ones(n, dtype=np.int64)} for n in lengths]
-    request = Request(rows, lambda outcome: None)
+    request = EncodeRequest(rows, lambda outcome: None)
     return [(request, i) for i in range(len(rows))]
 
 

@@ -7,6 +7,6 @@ with :mod:`.logits`, :mod:`.penalties` and the grammar masks of :mod:`.masks`).
 
 The decode core is driven alike in-process (:meth:`.generator.TransformersGenerator.generate`)
 and from the engine process (:mod:`...topology.engine.process`): both submit a
-:class:`.decode_loop.Request` of rows and an ``emit`` callback to the one
+:class:`.decode_loop.DecodeRequest` of rows and an ``emit`` callback to the one
 :class:`.decode_loop.ContinuousBatcher`.
 """

@@ -61,7 +61,7 @@ it."""
 
 
 @dataclass(eq=False)
-class Request:
+class DecodeRequest:
     """One generation request: its ``n`` rows (sharing one prompt) and where its deltas go."""
 
     rows: list[SequenceState]
@@ -83,7 +83,7 @@ class Request:
 class Prefilling:
     """An admitted request whose prompt is fed in parts, and how many of its tokens are in."""
 
-    request: Request
+    request: DecodeRequest
     batch: DecodeBatch
     fed: int = 0
 
@@ -94,7 +94,7 @@ class Running:
 
     batch: DecodeBatch
     rows: list[SequenceState]
-    owners: list[Request]
+    owners: list[DecodeRequest]
     sampler: SamplingBatch | None = None
     """The sampling side of the rows, remade when they change (see :meth:`sampling`)."""
 
@@ -128,7 +128,7 @@ class ContinuousBatcher:
         """Prompt tokens fed in parts per turn of the loop (``--prefill_chunk_tokens``)."""
         self.prefilling: deque[Prefilling] = deque()
         self.metrics = DecodeLoopMetrics(model_name)
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[DecodeRequest] = deque()
         self.running: list[Running] = []
         self.calls = WorkerCalls()
         self.wake = threading.Condition()
@@ -138,7 +138,7 @@ class ContinuousBatcher:
         self.thread = threading.Thread(target=self._loop, name="decode", daemon=True)
         self.thread.start()
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: DecodeRequest) -> None:
         """Queue a request; it joins the running batch before the next decode step."""
         with self.wake:
             if self.closed:
@@ -213,9 +213,9 @@ class ContinuousBatcher:
         self.prefilling.clear()
         self.calls.fail(self.stopped)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> list[DecodeRequest]:
         """Take the waiting requests whose rows fit (the first one always fits an idle loop)."""
-        admitted: list[Request] = []
+        admitted: list[DecodeRequest] = []
         rows = self.running_rows
         queued = len(self.waiting)
         now = time.perf_counter()
@@ -232,7 +232,7 @@ class ContinuousBatcher:
             self.metrics.queue_length(len(self.waiting), len(self.waiting) - queued)
         return admitted
 
-    def _start(self, requests: list[Request]) -> None:
+    def _start(self, requests: list[DecodeRequest]) -> None:
         """Run the requests' prompts (together, where the model allows it), emit their first
         tokens, merge their rows into the running batch."""
         batch = self.new_batch()
@@ -270,7 +270,7 @@ class ContinuousBatcher:
 
     def _join(
         self,
-        requests: list[Request],
+        requests: list[DecodeRequest],
         batch: DecodeBatch,
         logits: torch.Tensor,
         scored: list[TokenLogprob | None] | None = None,
@@ -295,7 +295,7 @@ class ContinuousBatcher:
         else:
             self.running.append(group)
 
-    def _begin_in_parts(self, admitted: list[Request]) -> list[Request]:
+    def _begin_in_parts(self, admitted: list[DecodeRequest]) -> list[DecodeRequest]:
         """Set aside the admitted requests whose prompt is fed in parts (longer than a part,
         not scored, on a model that allows it); the others, whose prompts run whole."""
         whole = []
@@ -400,8 +400,8 @@ class ContinuousBatcher:
         """Choose the rows' next tokens, send each request its deltas (the first ones with
         the prompt's logprobs, when scored), drop the rows that finished or whose request was
         cancelled."""
-        deltas: dict[Request, list[ChoiceDelta]] = {}
-        failed: dict[Request, Exception] = {}
+        deltas: dict[DecodeRequest, list[ChoiceDelta]] = {}
+        failed: dict[DecodeRequest, Exception] = {}
         for owner, outcome in zip(
             group.owners, advance(group.rows, logits, group.sampling(logits)), strict=True
         ):
@@ -444,7 +444,7 @@ class ContinuousBatcher:
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
 
-    def _end(self, request: Request, outcome: BaseException | None) -> None:
+    def _end(self, request: DecodeRequest, outcome: BaseException | None) -> None:
         """The last word to an admitted request: None when it is done, or what failed it."""
         if request.ended:  # a step that failed after some of its requests were done
             return
@@ -457,13 +457,13 @@ class ContinuousBatcher:
         )
 
 
-def prefill_groups(requests: list[Request]) -> list[list[Request]]:
+def prefill_groups(requests: list[DecodeRequest]) -> list[list[DecodeRequest]]:
     """The admitted requests in groups whose prompts may run as one forward: a request that
     scores its prompt alone, the others by prompt length, each group's padded batch at most
     :data:`PADDING_LIMIT` times its tokens."""
     scoring = [r for r in requests if r.rows[0].params.prompt_logprobs is not None]
     groups = [[request] for request in scoring]
-    group: list[Request] = []
+    group: list[DecodeRequest] = []
     tokens = 0
     for request in sorted(
         (r for r in requests if r.rows[0].params.prompt_logprobs is None),

@@ -45,7 +45,7 @@ from .decode_batch import (
     Seq2SeqBatch,
     takes_ready_masks,
 )
-from .decode_loop import ContinuousBatcher, Request
+from .decode_loop import ContinuousBatcher, DecodeRequest
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
 from .step_graphs import StepGraphs, cuda_graph
@@ -328,7 +328,7 @@ class TransformersGenerator(GenerationBackend):
                 return
             calls.call(queue.put_nowait, item)
 
-        request = Request(rows, emit, adapter)
+        request = DecodeRequest(rows, emit, adapter)
         with self.adapters.use(adapter):  # not unloaded while in use
             self.batcher.submit(request)
             try:

@@ -56,7 +56,7 @@ class Encode(msgspec.Struct, tag="encode", array_like=True):
 
     id: int
     kind: str
-    """``task`` or ``pair`` (see :attr:`~..backends.batching.Request.kind`)."""
+    """``task`` or ``pair`` (see :attr:`~..backends.batching.EncodeRequest.kind`)."""
     lengths: list[int]
     columns: dict[str, bytes]
     widths: dict[str, int]

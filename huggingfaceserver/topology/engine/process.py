@@ -19,8 +19,8 @@ import zmq
 import zmq.asyncio
 
 from ...backends.base import EncoderBackend, GenerationBackend
-from ...backends.batching import Request as EncodeRequest
-from ...backends.pytorch.decode_loop import Request as GenerateRequest
+from ...backends.batching import EncodeRequest
+from ...backends.pytorch.decode_loop import DecodeRequest
 from ...backends.pytorch.generator import TransformersGenerator
 from ...backends.pytorch.sequence import SequenceState
 from ...backends.tokenizing import TokenizingEncoder
@@ -76,7 +76,7 @@ class Engine:
         self.loaded = False
         self.fronts: dict[bytes, int] = {}
         self.all_fronts = asyncio.Event()
-        self.live: dict[Key, EncodeRequest | GenerateRequest] = {}
+        self.live: dict[Key, EncodeRequest | DecodeRequest] = {}
         self.compiling: dict[Key, asyncio.Task[None]] = {}
         """Generations whose grammar is being compiled, in a worker thread."""
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
@@ -234,7 +234,7 @@ class Engine:
             elif key in self.live:
                 self.channel.send(Deltas(message.id, item), peer)
 
-        request = GenerateRequest(rows, emit, message.adapter)
+        request = DecodeRequest(rows, emit, message.adapter)
         self.live[key] = request
         try:
             backend.batcher.submit(request)
@@ -248,12 +248,12 @@ class Engine:
                 self.compiling.pop(key).cancel()
             return
         request = self.live.get(key)
-        if isinstance(request, GenerateRequest) and message.choices is not None:
+        if isinstance(request, DecodeRequest) and message.choices is not None:
             for index in message.choices:
                 request.rows[index].aborted = True
             return
         self.live.pop(key, None)
-        if isinstance(request, GenerateRequest):
+        if isinstance(request, DecodeRequest):
             request.cancelled.set()
         elif request is not None:
             request.cancelled = True

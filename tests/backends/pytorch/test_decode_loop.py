@@ -19,10 +19,8 @@ import torch
 
 from huggingfaceserver.backends.pytorch.decode_loop import (
     PADDING_LIMIT,
+    DecodeRequest,
     prefill_groups,
-)
-from huggingfaceserver.backends.pytorch.decode_loop import (
-    Request as LoopRequest,
 )
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.backends.pytorch.sequence import SequenceState
@@ -44,7 +42,7 @@ from .generation_helpers import (
     wait_until_idle,
 )
 
-Request = tuple[list[int], SamplingParams]
+Prompted = tuple[list[int], SamplingParams]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
@@ -64,7 +62,7 @@ def slow_forward(backend: TransformersGenerator, seconds: float = 0.005) -> Iter
 
 
 async def staggered(
-    backend: TransformersGenerator, requests: list[Request], after: int = 2
+    backend: TransformersGenerator, requests: list[Prompted], after: int = 2
 ) -> list[list[Choice]]:
     """Run the requests, each started once the one before has received ``after`` steps."""
     started = [asyncio.Event() for _ in requests]
@@ -98,7 +96,7 @@ async def admitted_together(backend: TransformersGenerator) -> AsyncIterator[Non
         await asyncio.sleep(0.05)
 
 
-async def alone(backend: TransformersGenerator, requests: list[Request]) -> list[list[Choice]]:
+async def alone(backend: TransformersGenerator, requests: list[Prompted]) -> list[list[Choice]]:
     return [await run(backend, *request) for request in requests]
 
 
@@ -140,7 +138,7 @@ async def test_graphed_decode_steps_give_the_tokens_eager_ones_give(backends) ->
 async def test_each_request_keeps_its_own_settings(backends) -> None:
     backend = backends("llama")
     ids = [prompt(backend, text) for text in PROMPTS]
-    requests: list[Request] = [
+    requests: list[Prompted] = [
         (ids[0], replace(GREEDY, logprobs=2)),
         (ids[1], SamplingParams(n=2, seed=7, max_tokens=12, ignore_eos=True)),
         (ids[2], SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=20, logprobs=0)),
@@ -168,7 +166,7 @@ async def test_requests_admitted_together_prefill_together_and_keep_their_settin
     backend = backends("llama")
     longer = prompt(backend, PROMPTS[2])
     shorter = longer[len(longer) // 4 :]  # within the padding limit of the longer one
-    requests: list[Request] = [
+    requests: list[Prompted] = [
         (shorter, replace(GREEDY, logprobs=2)),
         (shorter, SamplingParams(n=2, seed=7, max_tokens=12, ignore_eos=True)),
         (longer, SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=20, logprobs=0)),
@@ -194,7 +192,7 @@ async def test_requests_admitted_together_prefill_together_and_keep_their_settin
 async def test_a_request_scoring_its_prompt_prefills_alone(backends) -> None:
     backend = backends("llama")
     ids = prompt(backend, PROMPTS[1])
-    requests: list[Request] = [
+    requests: list[Prompted] = [
         (ids, GREEDY),
         (ids, replace(GREEDY, prompt_logprobs=1)),
         (ids, GREEDY),
@@ -238,9 +236,9 @@ async def test_a_prompt_that_fails_a_group_prefill_fails_only_its_request(backen
 
 
 def test_prefill_groups_bound_padding_and_keep_scoring_requests_alone() -> None:
-    def request(length: int, prompt_logprobs: int | None = None) -> LoopRequest:
+    def request(length: int, prompt_logprobs: int | None = None) -> DecodeRequest:
         params = SamplingParams(prompt_logprobs=prompt_logprobs)
-        return LoopRequest(rows=[_row(length, params)], emit=lambda _: None)
+        return DecodeRequest(rows=[_row(length, params)], emit=lambda _: None)
 
     short, short2, mid, long = request(4), request(5), request(6), request(40)
     scoring = request(5, prompt_logprobs=0)
@@ -269,7 +267,7 @@ async def test_a_stop_string_ends_its_request_while_others_go_on(backends) -> No
     ids = prompt(backend, PROMPTS[1])
     (free,) = await run(backend, ids, GREEDY)
     stop = free.text[len(free.text) // 3 :][:2]
-    requests: list[Request] = [
+    requests: list[Prompted] = [
         (prompt(backend, PROMPTS[2]), GREEDY),
         (ids, replace(GREEDY, stop=(stop,))),
         (prompt(backend, PROMPTS[0]), GREEDY),
@@ -431,7 +429,7 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
             finished.release()
 
     requests = [
-        LoopRequest(backend.new_sequences(ids[i % len(ids)], params), emit)
+        DecodeRequest(backend.new_sequences(ids[i % len(ids)], params), emit)
         for i, params in enumerate(kinds * 2)
     ]
     counter = SyncCounter()
@@ -469,7 +467,7 @@ async def test_a_long_prompt_is_fed_in_parts_while_the_running_rows_step(in_part
     # are fed, however late a busy machine lets the test start the long one.
     running = replace(GREEDY, max_tokens=256)
     assert len(short) <= 4 and 2 + whole + 1 < GREEDY.max_tokens  # type: ignore[operator]
-    requests: list[Request] = [(short, running), (long, replace(GREEDY, n=2))]
+    requests: list[Prompted] = [(short, running), (long, replace(GREEDY, n=2))]
     expected = await alone(backend, requests)
     with forward_shapes(backend) as shapes:
         together = await staggered(backend, requests)

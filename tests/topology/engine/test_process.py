@@ -22,7 +22,7 @@ import huggingfaceserver.topology.engine.process as engine_process
 from huggingfaceserver import assembly
 from huggingfaceserver.assembly import engine_local_backend
 from huggingfaceserver.backends.base import EncoderBackend, GenerationBackend
-from huggingfaceserver.backends.pytorch.decode_loop import Request as GenerateRequest
+from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import BadRequest, ServerError, StartupError
@@ -436,10 +436,10 @@ async def test_an_abort_while_compiling_drops_the_request(tiny_models, tmp_path,
         clients(running.engine.address, fronts=1) as [client],
     ):
         await ready(client)
-        submitted: list[GenerateRequest] = []
+        submitted: list[DecodeRequest] = []
         submit = backend.batcher.submit
 
-        def recorded(request: GenerateRequest) -> None:
+        def recorded(request: DecodeRequest) -> None:
             submitted.append(request)
             submit(request)
 
