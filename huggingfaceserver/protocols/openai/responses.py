@@ -202,7 +202,7 @@ class ToolCall(BaseModel):
     type: Literal["function"]
 
 
-class ChatMessage(BaseModel):
+class ChatCompletionMessage(BaseModel):
     """The assistant's message (the SDK's ``ChatCompletionMessage``): ``tool_calls`` only when
     it called tools; ``reasoning`` and ``reasoning_content`` (vLLM's and DeepSeek's names, the
     same text; the SDK keeps them in ``model_extra``) only when a reasoning parser found some."""
@@ -226,7 +226,7 @@ class ChatChoice(BaseModel):
     finish_reason: ChatFinishReason
     index: int
     logprobs: ChatChoiceLogprobs | None = None
-    message: ChatMessage
+    message: ChatCompletionMessage
 
 
 class ChatCompletion(BaseModel):
@@ -253,7 +253,7 @@ class DeltaToolCall(BaseModel):
 
 class ChatDelta(BaseModel):
     """What a chunk adds to a choice (the SDK's ``ChoiceDelta``); reasoning as in
-    :class:`ChatMessage`."""
+    :class:`ChatCompletionMessage`."""
 
     content: str | None = None
     role: Literal["assistant"] | None = None
@@ -299,7 +299,7 @@ def chat_choice(
     called: dict[str, Any] = {"tool_calls": tool_calls} if tool_calls else {}  # else unset
     return ChatChoice(
         index=index,
-        message=ChatMessage(
+        message=ChatCompletionMessage(
             role="assistant", content=text, **called, **_reasoning_fields(reasoning)
         ),
         finish_reason=finish_reason,
