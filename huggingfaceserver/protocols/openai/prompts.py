@@ -1,24 +1,9 @@
 """Prompts as token ids: completion texts, and chat conversations through the chat template.
 
 Rendering and tokenizing are blocking work and run in a worker thread, never on the event
-loop. A text far longer than the context is refused without being tokenized whole: its first
-characters are tokenized, and if they already hold more tokens than the context, the whole
-text does too (a 400); a text that passes is tokenized whole, so its ids are exactly the
+loop. A text far longer than the context is refused after tokenizing only a cut of it
+(:func:`tokenize_prompt`); a text that passes is tokenized whole, so its ids are exactly the
 tokenizer's.
-
-Which tokens of a cut the whole text has too: the tokenizer splits a text into pieces (words,
-punctuation, whitespace runs) from left to right and tokenizes each piece on its own, so
-cutting the text changes only its last pieces; the tokens of the pieces at least two before
-the cut's last one are the whole text's. A tokenizer that
-does not split (one piece: sentencepiece-style BPE) counts the cut's tokens: no token covers
-more characters than the longest token in its vocabulary has, so the whole text has at least
-as many over the same characters, unless its normalizer drops characters, which can only
-make the cut count fewer.
-
-How far to cut: the first cut holds 8 characters per context token (English averages about
-4); a cut that holds too few tokens grows until it holds ``(max_len + 1) * longest``
-characters, which hold more than ``max_len`` tokens unless characters were dropped (collapsed
-whitespace, a long word that is one ``[UNK]``). Past that, the text is tokenized whole.
 """
 
 from __future__ import annotations
@@ -101,7 +86,13 @@ def tokenize_prompt(
     add_special_tokens: bool = True,
 ) -> list[int]:
     """``text``'s ids as ``tokenizer(text)`` gives them, or the context-length 400 (naming
-    ``param``) after tokenizing only a cut of it when it is far too long."""
+    ``param``) after tokenizing only a cut of it when it is far too long.
+
+    The first cut holds :data:`FIRST_CUT_CHARS_PER_TOKEN` characters per context token; a cut
+    whose sure tokens (:func:`tokens_kept`) are too few grows until it holds
+    ``(max_len + 1) * longest`` characters, which hold more than ``max_len`` tokens unless the
+    normalizer dropped characters (collapsed whitespace, a long word that is one ``[UNK]``):
+    past that, the text is tokenized whole."""
     traits = TokenizerTraits.of(tokenizer)
     enough = (max_len + 1) * traits.longest
     cut = min((max_len + 1) * FIRST_CUT_CHARS_PER_TOKEN, enough)
@@ -118,7 +109,13 @@ def tokenize_prompt(
 def tokens_kept(
     tokenizer: PreTrainedTokenizerBase, traits: TokenizerTraits, cut: str, add_special_tokens: bool
 ) -> int:
-    """How many tokens of the text ``cut`` was cut from are sure to be at least."""
+    """How many tokens of the text ``cut`` was cut from are sure to be at least.
+
+    A splitting tokenizer tokenizes each piece (word, punctuation, whitespace run) on its own,
+    left to right, so a cut changes only its last pieces: the tokens of the pieces at least two
+    before the cut's last are the whole text's. A tokenizer that does not split
+    (sentencepiece-style BPE) has no token longer than its vocabulary's longest, so the whole
+    text has at least as many tokens over the same characters as the cut."""
     encoding = tokenize(tokenizer, cut, add_special_tokens)
     if not traits.splits:
         return len(encoding["input_ids"])
