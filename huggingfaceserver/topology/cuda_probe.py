@@ -2,11 +2,12 @@
 
 ``--api_workers auto`` starts front processes only on a CUDA device, so the supervisor must know
 whether there is one; but the supervisor serves nothing itself, and importing torch to ask would
-keep libtorch in it for the server's whole life (hundreds of MiB more on a GPU node). The child asks torch itself (``torch.cuda.is_available()``), with this
-process's interpreter and environment (``CUDA_VISIBLE_DEVICES``, ``PYTHONPATH``), so its answer
-is the one the engine will get; then it exits and its memory goes back. Where ``/dev`` holds no
-GPU device node (NVIDIA's ``nvidia0``..., AMD's ``kfd`` for ROCm builds) torch cannot see one,
-and nothing is started: a CPU node pays no second torch import at start.
+keep libtorch in it for the server's whole life (hundreds of MiB more on a GPU node). The child asks
+torch itself (``torch.cuda.is_available()``), with this process's interpreter and environment
+(``CUDA_VISIBLE_DEVICES``, ``PYTHONPATH``), so its answer is the one the engine will get; then it
+exits and its memory goes back. Where ``/dev`` holds no GPU device node (NVIDIA's ``nvidia0``...,
+AMD's ``kfd`` for ROCm builds) torch cannot see one, and nothing is started: a CPU node pays no
+second torch import at start.
 """
 
 from __future__ import annotations

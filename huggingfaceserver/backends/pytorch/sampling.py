@@ -10,14 +10,14 @@ penalties, the grammar masks of constrained rows in one llguidance call), then t
 for greedy rows and draws for the others, and copies to the host **once**: the tokens, whether
 each row's logits were usable, and the logprobs asked for. Nothing else waits for the device.
 
-Drawing: by the inverse of each row's cumulative distribution (one uniform number per row;
-the token is the first whose cumulative probability reaches it), which draws from ``probs``
-exactly with a fixed number of device operations and no wait for the device (unlike
-``torch.multinomial``), and far less than the exponential race (``argmax(probs / q)``,
-``q ~ Exp(1)``, which draws a number per token). A row with a seed draws its number from its own generator (one call per seeded
-row), so its tokens depend on its seed and its logits alone, never on the other rows of the
-batch; the unseeded rows draw theirs in one call from the process's sampling generator (seeded
-from the OS, never torch's global RNG).
+Drawing: by the inverse of each row's cumulative distribution (one uniform number per row; the token
+is the first whose cumulative probability reaches it), which draws from ``probs`` exactly with a
+fixed number of device operations and no wait for the device (unlike ``torch.multinomial``), and far
+less than the exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``, which draws a number per
+token). A row with a seed draws its number from its own generator (one call per seeded row), so its
+tokens depend on its seed and its logits alone, never on the other rows of the batch; the unseeded
+rows draw theirs in one call from the process's sampling generator (seeded from the OS, never
+torch's global RNG).
 
 The failure domain is one row: a row whose settings, grammar or logits leave nothing to choose
 from fails alone, and the other rows' tokens are those they would have had without it (every
