@@ -35,7 +35,7 @@ def local_backend(
         from .backends.vllm.embedding import VLLMEmbedder  # vLLM only when it serves
 
         return VLLMEmbedder(source, config, choice.kv_cache_bytes)
-    if config.server.get("predictor_host"):
+    if config.server.predictor_host:
         from .backends.remote import RemoteEncoder
 
         return RemoteEncoder(source, config)
@@ -63,11 +63,6 @@ def locate(
     the user must fix, before serving starts); ``vllm=False``: as if vLLM were not
     installed; ``read_config=False``: transformers' config only if the choice needs it (the
     supervisor of fronts and an engine never loads the model, and imports no torch)."""
-    if config.server.get("workers", 1) > 1:
-        raise StartupError(
-            "--workers > 1 is not supported: one process holds the model; use --api_workers N "
-            "for N front processes before one engine process"
-        )
     source = load_source(config, read_config)
     from .backends.vllm.kv_cache import plan_kv_cache  # no vLLM import: asked only for vLLM
 
@@ -113,7 +108,9 @@ def model_around(
             if config.reasoning_parser
             else None,
         )
-    if config.tensor_input_names and not config.server.get("predictor_host"):
+    # here, not in parsing: it takes the task (only an encoder's model runs on the predictor;
+    # a generative model runs here whatever --predictor_host says)
+    if config.tensor_input_names and not config.server.predictor_host:
         logger.warning("--tensor_input_names only applies with --predictor_host; ignored")
     logging_ = RequestLogging(not config.disable_log_requests, config.max_log_len)
     return EncoderModel(
@@ -127,7 +124,8 @@ def model_around(
 
 def check_choice(config: ServerConfig, choice: BackendChoice) -> None:
     """Flags that the chosen backend ignores (a warning) or cannot honour (a
-    :class:`StartupError`)."""
+    :class:`StartupError`). Not in parsing: ``--backend auto`` chooses by the model's task
+    and architecture, and the error names the backend chosen and why."""
     ignored = [name for name in config.engine_flags if name not in TRANSFORMERS_LORA_FLAGS]
     if ignored and choice.name != "vllm":
         logger.warning(

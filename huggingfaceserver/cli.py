@@ -1,20 +1,26 @@
-"""The command line: a pure function from argv to a typed :class:`ServerConfig`.
+"""The command line: a pure function from argv and the environment to a typed
+:class:`ServerConfig`.
 
-Nothing here reads a model, a file or the environment. Every flag of ours is generated from a
-:class:`ServerConfig` field, as vLLM's ``FrontendArgs`` does: the field's name is the flag, and its
-default, value type and help are written once, on the field. KServe's ModelServer flags come from
-``kserve.model_server.parser`` (a parent parser) and keep working unchanged. Both ``--foo_bar``
-and ``--foo-bar`` spellings are accepted for every flag.
+Nothing here reads a model or a file, and the environment only through the mapping given to
+:func:`parse_args`, once: the rest of the package reads the config. Every flag of ours is
+generated from a :class:`ServerConfig` field, as vLLM's ``FrontendArgs`` does: the field's name
+is the flag, and its default, value type and help are written once, on the field. KServe's
+ModelServer flags come from ``kserve.model_server.parser`` (a parent parser) and keep working
+unchanged, with their help; their values land in :class:`KServeFlags`, whose fields hold their
+defaults. Both ``--foo_bar`` and ``--foo-bar`` spellings are accepted for every flag. Flag
+combinations the server cannot run are refused here, before anything is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from .errors import StartupError
@@ -27,6 +33,30 @@ DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
 BACKENDS = ("auto", "huggingface", "onnx", "openvino", "vllm")
 QUANTIZATIONS = ("int8",)
 LOG_FORMATS = ("text", "json")
+API_KEY_ENV = "HUGGINGFACESERVER_API_KEY"
+"""The API key when ``--api_key`` is not given (which keeps it out of the pod's args)."""
+OPENAI_PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
+"""Where the OpenAI routes are (KServe's variable)."""
+DEFAULT_OPENAI_PREFIX = "/openai"
+CACHE_ENV = "HUGGINGFACESERVER_CACHE"
+"""The server's cache directory (ONNX exports are kept there between starts)."""
+KSERVE_TLS_CERT_FILE_ENV = "KSERVE_TLS_CERT_FILE"
+"""``--ssl_certfile`` when not given (KServe's variable, read here as KServe reads it)."""
+KSERVE_TLS_KEY_FILE_ENV = "KSERVE_TLS_KEY_FILE"
+"""``--ssl_keyfile`` when not given."""
+# Flag combinations no layout can serve. Parsing refuses those it can tell from the flags alone
+# (--backend vllm, an explicit --api_workers N; cli.parse_args); what --backend auto and
+# --api_workers auto choose is known only in topology.layout and server.serve.
+VLLM_RUNS_ITS_OWN_ENGINE = (
+    "--api_workers > 1 is not supported with the vLLM backend (vLLM already runs its engine in "
+    "a process of its own): use --api_workers 1, or --backend huggingface"
+)
+REPOSITORY_NEEDS_ONE_PROCESS = (
+    "--enable_model_repository needs the single-process layout: the engine process owns the "
+    "model; run with --api_workers 1"
+)
+
+
 DEFAULT_MAX_BATCH_SIZE = 16
 """Rows per batch without ``--max_batch_size``, on torch (encoders and generation)."""
 EXPORT_MAX_BATCH_SIZE = 8
@@ -119,10 +149,76 @@ def option(
     )
 
 
-def kserve_option(default: Any) -> Any:
-    """A :class:`ServerConfig` field whose flag KServe's parser defines (with its help): only
-    the default is ours."""
-    return field(default=default, metadata={"kserve": True})
+def kserve_option(default: Any, env: str | None = None) -> Any:
+    """A field whose flag KServe's parser defines (with its help and value type): only the
+    default is ours, given to KServe's flag; ``env``: the environment variable that, when set,
+    is the default instead (as KServe's parser has it)."""
+    return field(default=default, metadata={"kserve": True, "env": env})
+
+
+def _kserve_defaults(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The defaults of ``cls``'s fields that are KServe's flags, by field name."""
+    defaults = {}
+    for kserve_field in fields(cls):
+        if kserve_field.metadata.get("kserve"):
+            env = kserve_field.metadata["env"]
+            default = kserve_field.default
+            defaults[kserve_field.name] = environ.get(env, default) if env else default
+    return defaults
+
+
+@dataclass(frozen=True)
+class KServeFlags:
+    """KServe's ModelServer flags (``kserve.model_server.parser``: their spelling, value type
+    and help are KServe's), a field per flag, with its default. ``--model_name`` is
+    :attr:`ServerConfig.model_name`."""
+
+    http_port: int = kserve_option(8080)
+    """HTTP (and the REST routes); with TLS at this default, KServe's HTTPS port instead
+    (:func:`~.edge.serving.http_port`)."""
+    grpc_port: int = kserve_option(8081)
+    workers: int = kserve_option(1)
+    """uvicorn workers: above 1 refused (one process holds the model; ``--api_workers``)."""
+    max_threads: int = kserve_option(4)
+    """Threads of the gRPC server."""
+    max_asyncio_workers: int | None = kserve_option(None)
+    """Threads of the event loop's default executor; None: asyncio's default."""
+    enable_grpc: bool = kserve_option(True)
+    enable_docs_url: bool = kserve_option(False)
+    """Swagger UI at ``/docs``."""
+    enable_latency_logging: bool = kserve_option(True)
+    """Accepted, no effect: the gateway logs one line per request, with its latency."""
+    configure_logging: bool = kserve_option(True)
+    """Configure KServe's and uvicorn's loggers (unless they have handlers)."""
+    log_config_file: str | None = kserve_option(None)
+    """uvicorn's log config (yaml or json) for KServe's logging configuration."""
+    access_log_format: str | None = kserve_option(None)
+    """asgi-logger's access line format; None: no access lines."""
+    event_loop: str = kserve_option("auto")
+    """uvicorn's ``loop`` setting."""
+    timeout_keep_alive: int = kserve_option(65)
+    """Seconds an idle keep-alive connection stays open."""
+    predictor_host: str | None = kserve_option(None)
+    """Transformer mode: an encoder's model runs on this predictor; we tokenize."""
+    protocol: str = kserve_option("v1")
+    """Accepted, no effect (KServe's deprecated spelling of ``--predictor_protocol``)."""
+    predictor_protocol: str = kserve_option("v1")
+    """How the predictor is called (``v2`` or ``grpc-v2`` in transformer mode)."""
+    predictor_use_ssl: bool = kserve_option(False)
+    predictor_request_timeout_seconds: int = kserve_option(600)
+    grpc_max_send_message_length: int = kserve_option(8 * MiB)
+    grpc_max_receive_message_length: int = kserve_option(8 * MiB)
+    predictor_request_retries: int = kserve_option(0)
+    enable_predictor_health_check: bool = kserve_option(False)
+    """Readiness also asks the predictor."""
+    ssl_certfile: str | None = kserve_option(None, env=KSERVE_TLS_CERT_FILE_ENV)
+    """HTTPS with ``ssl_keyfile``."""
+    ssl_keyfile: str | None = kserve_option(None, env=KSERVE_TLS_KEY_FILE_ENV)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+        """Our defaults for KServe's flags in ``parser`` (which has KServe's as a parent)."""
+        parser.set_defaults(**_kserve_defaults(cls, environ))
 
 
 @dataclass(frozen=True)
@@ -284,14 +380,20 @@ class ServerConfig:
     shutdown_grace_seconds: float = option(25.0, "SIGTERM: time to drain")
     """How long requests in flight (streams included) may take to finish."""
     api_key: str | None = option(None, "bearer token for model routes (or env var)")
-    """Every model route then needs it (401 otherwise); health and metrics stay open. The
-    server also reads it from ``HUGGINGFACESERVER_API_KEY``."""
+    """Every model route then needs it (401 otherwise); health and metrics stay open. Without
+    the flag, parsing takes it from ``$HUGGINGFACESERVER_API_KEY`` (blank: no key)."""
     allowed_origins: tuple[str, ...] = option((), "CORS origins, comma list or JSON", type=_origins)
     """``*`` for any; empty: no CORS headers."""
-    server: dict[str, Any] = field(default_factory=dict)
-    """KServe ModelServer flags (http_port, grpc_port, workers, predictor_host, ...)."""
+    server: KServeFlags = field(default_factory=KServeFlags)
+    """KServe's ModelServer flags (http_port, grpc_port, predictor_host, ...)."""
     engine_flags: dict[str, list[str]] = field(default_factory=dict)
     """vLLM engine flags, dashed name -> values: passed to vLLM, ignored by transformers."""
+    openai_route_prefix: str = DEFAULT_OPENAI_PREFIX
+    """Where the OpenAI routes are: ``$KSERVE_OPENAI_ROUTE_PREFIX`` (default ``/openai``; may
+    be empty: the routes at the root), as ``/prefix`` without a trailing slash."""
+    cache_dir: Path | None = None
+    """The server's cache directory (ONNX exports in its ``onnx/`` folder): see
+    :func:`cache_dir`; None: nowhere to keep anything, every start exports anew."""
 
     @property
     def encode_lower_case(self) -> bool | None:
@@ -305,10 +407,9 @@ class ServerConfig:
         hints = typing.get_type_hints(cls)
         exclusive: dict[str, Callable[..., argparse.Action]] = {}
         actions = {}
+        parser.set_defaults(**_kserve_defaults(cls, {}))
         for config_field in fields(cls):
             meta = dict(config_field.metadata)
-            if meta.pop("kserve", False):
-                parser.set_defaults(**{config_field.name: config_field.default})
             if "help" not in meta:
                 continue
             aliases, group = meta.pop("aliases"), meta.pop("exclusive")
@@ -371,8 +472,9 @@ def _kserve_parser() -> argparse.ArgumentParser:
     return model_server.parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser: KServe's flags plus ours, each in both spellings."""
+def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """The full parser: KServe's flags plus ours, each in both spellings; ``environ`` holds
+    the variables that KServe takes flag defaults from."""
     parser = argparse.ArgumentParser(
         prog="huggingfaceserver",
         description="Serve a Hugging Face model over KServe V1/V2 and OpenAI-compatible APIs.",
@@ -380,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    KServeFlags.add_cli_args(parser, environ)
     ServerConfig.add_cli_args(parser)
     return parser
 
@@ -438,18 +541,43 @@ def _group_flags(
     return flags, typed, strays
 
 
+def openai_route_prefix(environ: Mapping[str, str]) -> str:
+    """``$KSERVE_OPENAI_ROUTE_PREFIX`` (default ``/openai``; may be empty) as ``/prefix``."""
+    value = environ.get(OPENAI_PREFIX_ENV, DEFAULT_OPENAI_PREFIX).strip().rstrip("/")
+    return f"/{value.lstrip('/')}" if value else ""
+
+
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The server's cache directory: ``$HUGGINGFACESERVER_CACHE``, else
+    ``$XDG_CACHE_HOME/huggingfaceserver``, else ``~/.cache/huggingfaceserver`` (``$HOME``, else
+    the user's home directory); None where there is nowhere to keep it (no home directory, as
+    for a container user without one and without ``HOME``)."""
+    if environ.get(CACHE_ENV):
+        return Path(environ[CACHE_ENV])
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "huggingfaceserver"
+    home = environ.get("HOME") or os.path.expanduser("~")
+    if home.startswith("~"):
+        return None
+    return Path(home) / ".cache" / "huggingfaceserver"
+
+
 def parse_args(
     argv: Sequence[str],
     engine_flag_names: frozenset[str] = KNOWN_VLLM_ENGINE_FLAGS,
     more_engine_flag_names: Callable[[], frozenset[str]] | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> ServerConfig:
-    """Parse argv into a :class:`ServerConfig`; exits with status 2 on a flag nobody knows.
+    """Parse argv into a :class:`ServerConfig`, a pure function of ``argv`` and ``environ``
+    (the environment variables the server reads, read here once); exits with status 2 on a
+    flag nobody knows or a value a flag does not take (argparse's usage and error), and with
+    status 1 and one line on flags that cannot go together (as for any startup error).
 
     ``engine_flag_names`` (dashed, without ``--``) are the vLLM engine flags: they are kept in
     :attr:`ServerConfig.engine_flags` for the backend to use or report as ignored. When a flag
     is in neither, ``more_engine_flag_names`` (the installed vLLM's own list) is asked.
     """
-    parser = build_parser()
+    parser = build_parser(environ)
     namespace, rest = parser.parse_known_args(_normalise_spelling(argv, parser))
     flags, typed, strays = _group_flags(rest)
     unknown = [typed[name] for name in flags if name not in engine_flag_names]
@@ -460,6 +588,22 @@ def parse_args(
         parser.error("unrecognized arguments: " + " ".join(unknown + strays))
     values = vars(namespace)
     own = {name: values.pop(name) for name in flag_fields()}
+    server = KServeFlags(**{f.name: values.pop(f.name) for f in fields(KServeFlags)})
+    _check_values(parser, own)
+    _check_combinations(parser, own, server)
+    own["api_key"] = own["api_key"] or environ.get(API_KEY_ENV, "").strip() or None
+    return ServerConfig(
+        **own,
+        server=server,
+        engine_flags=flags,
+        openai_route_prefix=openai_route_prefix(environ),
+        cache_dir=cache_dir(environ),
+    )
+
+
+def _check_values(parser: argparse.ArgumentParser, own: dict[str, Any]) -> None:
+    """Values out of a flag's range, and flags that need or exclude another one: argparse's
+    error (usage, status 2)."""
     if own["max_length"] is not None and own["max_length"] <= 0:
         parser.error("--max_length must be a positive integer")
     for name in ("max_batch_tokens", "max_batch_size", "prefill_chunk_tokens"):
@@ -489,4 +633,31 @@ def parse_args(
         parser.error("--api_key must not be empty")
     if own["default_prompt"] is not None and own["default_prompt_name"] is not None:
         parser.error("give --default_prompt or --default_prompt_name, not both")
-    return ServerConfig(**own, server=values, engine_flags=flags)
+
+
+def _check_combinations(
+    parser: argparse.ArgumentParser, own: dict[str, Any], server: KServeFlags
+) -> None:
+    """Flags that each parse but that the server cannot run together: status 1 and the
+    one-line error of any startup problem, before anything is loaded. Those that depend on
+    the model or the machine are checked where those are known: ``--quantize`` against the
+    backend chosen (:func:`~.assembly.check_choice`), ``--api_workers`` against vLLM chosen by
+    ``--backend auto`` and against transformer mode, which only encoders have
+    (:func:`~.topology.layout.choose_layout`), ``--enable_model_repository`` against the
+    fronts ``--api_workers auto`` starts on a CUDA device (:func:`~.server.serve`)."""
+    if server.workers > 1:
+        _refuse(
+            parser,
+            "--workers > 1 is not supported: one process holds the model; use --api_workers N "
+            "for N front processes before one engine process",
+        )
+    several_fronts = own["api_workers"] is not None and own["api_workers"] > 1
+    if several_fronts and own["backend"] == "vllm":
+        _refuse(parser, VLLM_RUNS_ITS_OWN_ENGINE)
+    if several_fronts and own["enable_model_repository"]:
+        _refuse(parser, REPOSITORY_NEEDS_ONE_PROCESS)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> typing.NoReturn:
+    """Exit 1 with ``huggingfaceserver: error: MESSAGE``, the line a startup error ends with."""
+    parser.exit(1, f"{parser.prog}: error: {message}\n")

@@ -1,4 +1,5 @@
-"""Where the model is, what it is: location (folder or Hub id), config read once, dtype.
+"""Where the model is, what it is: location (folder or Hub id), config read once, its facts
+(context length, weight size, stored dtype), dtype.
 
 Imports neither torch nor transformers' modeling code at module level: a front process and the
 supervisor locate the model and settle its task from ``config.json`` alone (the architectures),
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli import ServerConfig
 from .errors import StartupError
+from .model_facts import ModelFacts
 from .observability.startup import STARTUP, importing, imports_done
 from .sentence.config import SentenceConfig, read_sentence_config
 from .tasks import Task, infer_task
@@ -78,6 +80,12 @@ class ModelSource:
                 )
         except (OSError, ValueError, KeyError) as exc:
             raise StartupError(f"cannot read the model config in {self.path}: {exc}") from None
+
+    @cached_property
+    def facts(self) -> ModelFacts:
+        """The model's context length, weight size and stored dtype, computed once from
+        :attr:`config` and the folder's weight files (it reads the config: see there)."""
+        return ModelFacts.of(self.config, self.path)
 
     def read_config(self) -> None:
         """Read transformers' config now, so that a problem with it stops the start."""

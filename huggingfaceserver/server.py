@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 
 from .assembly import build_model, check_choice, locate
-from .cli import ServerConfig
+from .cli import REPOSITORY_NEEDS_ONE_PROCESS, ServerConfig
 from .edge.open_files import raise_open_files_limit
 from .edge.serving import serve_model
 from .errors import StartupError
+from .pod import read_pod_limits
 from .topology.cuda_probe import cuda_available
 from .topology.layout import choose_layout, engine_bytes
-from .topology.pod import read_pod_limits
 from .topology.supervisor import run_processes
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def serve(config: ServerConfig) -> None:
     layout = choose_layout(
         config.api_workers,
         choice.name,
-        remote=bool(config.server.get("predictor_host")) and not source.task.is_generative,
+        remote=bool(config.server.predictor_host) and not source.task.is_generative,
         # only auto asks (torch tells, in a child process: the supervisor never imports it)
         cuda=config.api_workers is None and cuda_available(),
         pod=read_pod_limits(),
@@ -36,10 +36,8 @@ def serve(config: ServerConfig) -> None:
     if not layout.fits_memory:
         logger.warning("the layout may not fit in the pod's memory: %s", layout.reason)
     if layout.split and config.enable_model_repository:
-        raise StartupError(
-            "--enable_model_repository needs the single-process layout: the engine process "
-            "owns the model; run with --api_workers 1"
-        )
+        # the fronts --api_workers auto starts on a CUDA device (an explicit count: parsing)
+        raise StartupError(REPOSITORY_NEEDS_ONE_PROCESS)
     if layout.split:
         logger.info(
             "%d front processes before one engine process (%s)", layout.api_workers, layout.reason

@@ -29,6 +29,8 @@ LAYERS = (
     "cli",
     "generation",
     "tasks",
+    "model_facts",
+    "pod",
     "errors",
     "units",
     "",  # the package itself (its version)

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 from huggingfaceserver.backends import vllm_installed
-from huggingfaceserver.cli import ServerConfig, flag_fields, parse_args
+from huggingfaceserver.cli import (
+    API_KEY_ENV,
+    CACHE_ENV,
+    OPENAI_PREFIX_ENV,
+    KServeFlags,
+    ServerConfig,
+    build_parser,
+    flag_fields,
+    parse_args,
+)
 from huggingfaceserver.tasks import Task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,7 +230,7 @@ def test_help_lists_every_field_with_its_help_and_default():
 
 def test_kserve_flags_keep_their_kserve_defaults():
     server = parse_args([]).server
-    assert {name: server[name] for name in KSERVE_DEFAULTS} == KSERVE_DEFAULTS
+    assert {name: getattr(server, name) for name in KSERVE_DEFAULTS} == KSERVE_DEFAULTS
 
 
 def test_every_config_field_has_a_flag_in_the_table_below():
@@ -282,7 +291,7 @@ def test_auto_tool_choice_needs_a_known_parser(capsys):
     ],
 )
 def test_kserve_flags_accept_both_spellings(argv, name, expected):
-    assert parse_args(argv).server[name] == expected
+    assert getattr(parse_args(argv).server, name) == expected
 
 
 @pytest.mark.parametrize(
@@ -432,7 +441,7 @@ def test_parse_args_ignores_the_process_argv():
     code = (
         "import sys; sys.argv = ['x', '--http_port', 'not-a-port']; "
         "from huggingfaceserver.cli import parse_args; "
-        "print(parse_args(['--model_dir', '/models/bert']).server['http_port'])"
+        "print(parse_args(['--model_dir', '/models/bert']).server.http_port)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
@@ -526,3 +535,129 @@ def test_allowed_origins_refuse_a_broken_json_list(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--allowed_origins", '["https://a.example"'])
     assert "--allowed_origins" in capsys.readouterr().err
+
+
+# --- a pure function of argv and the environment ------------------------------------------
+
+ENVIRON = {
+    "HOME": "/home/someone",
+    API_KEY_ENV: " from-env ",
+    OPENAI_PREFIX_ENV: "kserve/openai/",
+    CACHE_ENV: "/volume/cache",
+    "KSERVE_TLS_CERT_FILE": "/tls/cert.pem",
+    "KSERVE_TLS_KEY_FILE": "/tls/key.pem",
+}
+"""An environment that sets every variable the server reads."""
+
+
+def test_the_same_argv_and_environment_give_equal_configs(monkeypatch):
+    argv = ["--model_dir", "/models/bert", "--http-port", "9000", "--max-num-seqs", "8"]
+    first = parse_args(argv, environ=dict(ENVIRON))
+    for name in ENVIRON:  # the process's own environment is not read
+        monkeypatch.setenv(name, "/elsewhere")
+    assert parse_args(list(argv), environ=dict(ENVIRON)) == first
+    assert parse_args(argv, environ={"HOME": "/home/someone"}) != first
+
+
+def test_the_environment_lands_in_the_config():
+    config = parse_args([], environ=ENVIRON)
+    assert config.api_key == "from-env"
+    assert config.openai_route_prefix == "/kserve/openai"
+    assert config.cache_dir == Path("/volume/cache")
+    assert (config.server.ssl_certfile, config.server.ssl_keyfile) == (
+        "/tls/cert.pem",
+        "/tls/key.pem",
+    )
+    bare = parse_args([], environ={"HOME": "/home/someone"})
+    assert bare.api_key is None
+    assert bare.openai_route_prefix == "/openai"
+    assert bare.cache_dir == Path("/home/someone/.cache/huggingfaceserver")
+    assert (bare.server.ssl_certfile, bare.server.ssl_keyfile) == (None, None)
+
+
+def test_flags_win_over_the_environment():
+    config = parse_args(["--api_key", "from-flag", "--ssl_certfile", "/mine.pem"], environ=ENVIRON)
+    assert (config.api_key, config.server.ssl_certfile) == ("from-flag", "/mine.pem")
+
+
+@pytest.mark.parametrize(
+    ("value", "prefix"),
+    [("", ""), ("/", ""), ("openai", "/openai"), (" /v2/openai/ ", "/v2/openai")],
+)
+def test_the_openai_route_prefix_is_normalised(value, prefix):
+    assert parse_args([], environ={OPENAI_PREFIX_ENV: value}).openai_route_prefix == prefix
+
+
+@pytest.mark.parametrize(
+    ("environ", "folder"),
+    [
+        ({CACHE_ENV: "/c", "XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/c"),
+        ({"XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/x/huggingfaceserver"),
+        ({"HOME": "/h"}, "/h/.cache/huggingfaceserver"),
+    ],
+)
+def test_the_cache_directory_comes_from_the_environment(environ, folder):
+    assert parse_args([], environ=environ).cache_dir == Path(folder)
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_a_blank_api_key_variable_is_no_key(value):
+    assert parse_args([], environ={API_KEY_ENV: value}).api_key is None
+
+
+def test_kserve_flags_hold_every_flag_of_kserves_parser():
+    parsed = set(vars(build_parser({}).parse_args([])))
+    assert parsed - set(flag_fields()) == {f.name for f in dataclasses.fields(KServeFlags)}
+    assert parse_args([], environ={}).server == KServeFlags()
+
+
+# --- flag combinations refused in parsing (status 1, one line, as any startup error) -------
+
+REFUSED = [
+    (
+        ["--workers", "2"],
+        "--workers > 1 is not supported: one process holds the model; use --api_workers N "
+        "for N front processes before one engine process",
+    ),
+    (
+        ["--api_workers", "2", "--backend", "vllm"],
+        "--api_workers > 1 is not supported with the vLLM backend (vLLM already runs its "
+        "engine in a process of its own): use --api_workers 1, or --backend huggingface",
+    ),
+    (
+        ["--api-workers=4", "--enable_model_repository"],
+        "--enable_model_repository needs the single-process layout: the engine process owns "
+        "the model; run with --api_workers 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "error"), REFUSED, ids=["workers", "vllm", "repository"])
+def test_combinations_the_server_cannot_run_exit_1_before_loading(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_dir", "/nonexistent", *argv], environ={})
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == f"huggingfaceserver: error: {error}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--workers", "1"],
+        ["--api_workers", "1", "--backend", "vllm"],
+        ["--api_workers", "auto", "--backend", "vllm"],
+        ["--api_workers", "2", "--backend", "auto"],
+        ["--api_workers", "1", "--enable_model_repository"],
+        ["--api_workers", "auto", "--enable_model_repository"],
+    ],
+)
+def test_what_only_the_model_or_the_machine_decides_is_left_to_them(argv):
+    """``auto`` chooses by the model and the machine: checked where those are known."""
+    parse_args(argv, environ={})
+
+
+def test_a_bad_value_is_a_usage_error_before_any_combination(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--workers", "2", "--max_length", "0"], environ={})
+    assert exit_info.value.code == 2
+    assert "--max_length must be a positive integer" in usage_error(capsys)

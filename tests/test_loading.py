@@ -187,6 +187,16 @@ def test_task_comes_from_the_config(tiny_models, name, task):
     assert source.sentence is None
 
 
+@pytest.mark.parametrize(("name", "context"), [("gpt2", 128), ("llama", 128), ("t5", None)])
+def test_the_model_facts_are_read_once_from_its_config_and_folder(tiny_models, name, context):
+    source = load_source(parse_args(["--model_dir", str(tiny_models[name])]))
+    facts = source.facts
+    assert facts is source.facts  # computed once
+    weights = sum(path.stat().st_size for path in source.path.glob("*.safetensors"))
+    assert (facts.context_length, facts.weight_bytes) == (context, weights) and weights > 0
+    assert facts.dtype == "float32"
+
+
 def test_task_flag_overrides_the_config(tiny_models):
     config = parse_args(["--model_dir", str(tiny_models["bert_embedding"]), "--task", "fill-mask"])
     assert load_source(config).task is Task.fill_mask

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
 from ..encoders import EncoderTask
 from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Instance, Output
 from ..errors import NotFound, NotReady
+from ..generation.checks import check_generation_request
 from ..generation.params import ChoiceDelta, SamplingParams
 from ..sentence.prompts import Prompts
 from .long_inputs import InputTooLong
+
+if TYPE_CHECKING:
+    from ..generation.constraints import LazyGrammars
 
 EncoderInputs = Sequence[str] | Sequence[Sequence[int]]
 """Texts, or already tokenized inputs (token id lists, used as they are)."""
@@ -191,6 +195,12 @@ class GenerationBackend(ABC):
     max_model_len: int
     """Context length: prompt plus generated tokens may not exceed it."""
     is_encoder_decoder: bool = False
+    vocab_size: int
+    """Token ids a request may name: 0 up to this."""
+    adapters: Collection[str]
+    """The LoRA adapters served, each under its own model name."""
+    grammars: LazyGrammars
+    """Structured-output constraints compiled (and so checked) with the model's tokenizer."""
 
     async def connect(self) -> None:
         """On the event loop, before ``load``: backends served by another process connect."""
@@ -203,13 +213,23 @@ class GenerationBackend(ABC):
         """After ``load``, once the machine is otherwise quiet: settle what is measured rather
         than configured."""
 
-    @abstractmethod
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
         """Raise :class:`BadRequest` for what the model cannot do (token ids outside its
-        vocabulary, an unknown adapter, ...): called before any response is sent, so a
-        stream never starts with an error the request itself carried."""
+        vocabulary, an unknown adapter, ...: :func:`.generation.checks.check_generation_request`,
+        the same on every backend): called before any response is sent, so a stream never
+        starts with an error the request itself carried, and again where the request runs."""
+        check_generation_request(
+            prompt_ids,
+            params,
+            adapter,
+            self.adapters,
+            self.max_model_len,
+            self.vocab_size,
+            self.is_encoder_decoder,
+            self.grammars,
+        )
 
     @abstractmethod
     def generate(

@@ -53,14 +53,14 @@ class RemoteEncoder(TokenizingEncoder):
     def __init__(self, source: ModelSource, config: ServerConfig):
         super().__init__(source, config)
         s = config.server
-        self.host: str = s["predictor_host"]
-        self.protocol: str = s["predictor_protocol"]
+        self.host: str = s.predictor_host or ""  # set: RemoteEncoder is transformer mode
+        self.protocol: str = s.predictor_protocol
         if self.protocol not in ("v2", "grpc-v2"):
             raise StartupError(
                 f"--predictor_host needs --predictor_protocol v2 or grpc-v2, not {self.protocol}"
             )
         self.send: Send | None = None
-        self.timeout_s = float(s["predictor_request_timeout_seconds"])
+        self.timeout_s = float(s.predictor_request_timeout_seconds)
         self.calls = asyncio.Semaphore(config.max_concurrent_predictor_calls)
         """At most ``--max_concurrent_predictor_calls`` in flight (it binds to the loop that
         first waits on it: the serving loop)."""
@@ -70,20 +70,20 @@ class RemoteEncoder(TokenizingEncoder):
         if self.protocol == "grpc-v2":
             grpc = InferenceGRPCClient(
                 self.host,
-                use_ssl=s["predictor_use_ssl"],
-                timeout=s["predictor_request_timeout_seconds"],
-                retries=s["predictor_request_retries"],
+                use_ssl=s.predictor_use_ssl,
+                timeout=s.predictor_request_timeout_seconds,
+                retries=s.predictor_request_retries,
             )
             self.send = grpc.infer
         else:
             rest = InferenceRESTClient(
                 RESTConfig(
                     protocol="v2",
-                    retries=s["predictor_request_retries"],
-                    timeout=s["predictor_request_timeout_seconds"],
+                    retries=s.predictor_request_retries,
+                    timeout=s.predictor_request_timeout_seconds,
                 )
             )
-            scheme = "https" if s["predictor_use_ssl"] else "http"
+            scheme = "https" if s.predictor_use_ssl else "http"
             base_url = f"{scheme}://{self.host}"
 
             async def send(request: InferRequest) -> InferResponse:

@@ -21,6 +21,7 @@ from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
 from ..encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
+from ..model_facts import context_length
 from ..sentence.config import pooling_modes
 from ..sentence.prompts import Prompts
 from ..sentence.tokenizer import lower_case_texts
@@ -53,7 +54,8 @@ class EncoderFacts:
     """What tokenizing and shaping results need of the model's config (a front process, which
     never reads the config, has them from the engine)."""
 
-    max_position_embeddings: int | None
+    context_length: int | None
+    """The longest input the config declares (:attr:`.ModelSource.facts`); None: none."""
     num_labels: int
     labels: dict[int, str] = field(default_factory=dict)
     """The config's ``id2label``."""
@@ -62,11 +64,11 @@ class EncoderFacts:
     """What the model runs in (torch's dtype name, or the runtime's precision)."""
 
     @classmethod
-    def of(cls, config: PretrainedConfig) -> EncoderFacts:
-        limit = getattr(config, "max_position_embeddings", None)
+    def of(cls, source: ModelSource) -> EncoderFacts:
+        config = source.config
         vocab = getattr(config, "vocab_size", None)
         return cls(
-            int(limit) if limit else None,
+            source.facts.context_length,
             int(config.num_labels or 0),
             {int(index): str(label) for index, label in (config.id2label or {}).items()},
             int(vocab) if isinstance(vocab, int) else None,
@@ -81,8 +83,11 @@ def resolve_max_length(
 ) -> int:
     """``--max_length`` checked against what the model can take, or by default the length the
     model was trained with: sentence-transformers' ``max_seq_length`` where its layout keeps
-    one (``declared``), else the tokenizer's, within the model's positions."""
-    positions = getattr(config, "max_position_embeddings", None)
+    one (``declared``), else the tokenizer's, within the model's positions (the context length
+    its config declares: ``config``'s, or the one in the engine's facts)."""
+    positions = (
+        config.context_length if isinstance(config, EncoderFacts) else context_length(config)
+    )
     tokenizer_max = tokenizer.model_max_length
     tokenizer_limit = tokenizer_max if tokenizer_max < UNSET_MAX_LENGTH else None
     default_limits = [positions, declared or tokenizer_limit]
@@ -216,7 +221,7 @@ class TokenizingEncoder(EncoderBackend):
 
     def model_facts(self) -> EncoderFacts:
         """What the tokenizing side needs of the model's config."""
-        return EncoderFacts.of(self.source.config)
+        return EncoderFacts.of(self.source)
 
     def load_model(self) -> None:
         """Whatever the backend needs beyond the tokenizer (weights, a client)."""

@@ -56,6 +56,7 @@ from kserve.utils.inference_client_factory import InferenceClientFactory
 from starlette.routing import BaseRoute
 
 from .. import __version__
+from ..cli import KServeFlags
 from ..errors import StartupError
 from ..observability import metrics
 from ..protocols.openai.models import ServedModels
@@ -154,22 +155,22 @@ class ServingOptions:
 
     @classmethod
     def from_flags(
-        cls, flags: dict[str, Any], grace_period: int, header_timeout_s: float
+        cls, flags: KServeFlags, grace_period: int, header_timeout_s: float
     ) -> ServingOptions:
         """From ``ServerConfig.server`` (the KServe flags)."""
         return cls(
-            grpc_port=flags["grpc_port"] if flags["enable_grpc"] else None,
+            grpc_port=flags.grpc_port if flags.enable_grpc else None,
             grace_period=grace_period,
             header_timeout_s=header_timeout_s,
-            max_threads=flags["max_threads"],
-            max_asyncio_workers=flags["max_asyncio_workers"],
-            timeout_keep_alive=flags["timeout_keep_alive"],
-            event_loop=flags["event_loop"],
-            ssl_certfile=flags["ssl_certfile"],
-            ssl_keyfile=flags["ssl_keyfile"],
-            access_log_format=flags["access_log_format"],
-            grpc_max_send_message_length=flags["grpc_max_send_message_length"],
-            grpc_max_receive_message_length=flags["grpc_max_receive_message_length"],
+            max_threads=flags.max_threads,
+            max_asyncio_workers=flags.max_asyncio_workers,
+            timeout_keep_alive=flags.timeout_keep_alive,
+            event_loop=flags.event_loop,
+            ssl_certfile=flags.ssl_certfile,
+            ssl_keyfile=flags.ssl_keyfile,
+            access_log_format=flags.access_log_format,
+            grpc_max_send_message_length=flags.grpc_max_send_message_length,
+            grpc_max_receive_message_length=flags.grpc_max_receive_message_length,
         )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -35,7 +34,6 @@ from ..observability import metrics
 from ..observability.logs import format_every_handler, quiet_access_log
 from ..observability.startup import STARTUP
 from ..protocols.kserve_model import BackendModel
-from ..protocols.openai.routes import route_prefix
 from .admission import Admission, SharedSlots
 from .gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
 from .listeners import (
@@ -50,8 +48,6 @@ from .listeners import (
 from .repository import SingleModelRepository
 
 logger = logging.getLogger(__name__)
-
-API_KEY_ENV = "HUGGINGFACESERVER_API_KEY"
 
 
 class ModelAwareDataPlane(DataPlane):
@@ -155,40 +151,31 @@ class ModelLoader:
 
 def predictor_config(config: ServerConfig) -> PredictorConfig:
     """Where KServe's model base class sends requests in transformer mode (``--predictor_*``)."""
-    s: dict[str, Any] = config.server
+    flags = config.server
     return PredictorConfig(
-        predictor_host=s["predictor_host"],
-        predictor_protocol=s["predictor_protocol"],
-        predictor_use_ssl=s["predictor_use_ssl"],
-        predictor_request_timeout_seconds=s["predictor_request_timeout_seconds"],
-        predictor_request_retries=s["predictor_request_retries"],
-        predictor_health_check=s["enable_predictor_health_check"],
+        predictor_host=flags.predictor_host,
+        predictor_protocol=flags.predictor_protocol,
+        predictor_use_ssl=flags.predictor_use_ssl,
+        predictor_request_timeout_seconds=flags.predictor_request_timeout_seconds,
+        predictor_request_retries=flags.predictor_request_retries,
+        predictor_health_check=flags.enable_predictor_health_check,
     )
 
 
 def configure_kserve_logging(config: ServerConfig) -> None:
     """KServe's and uvicorn's loggers, as KServe's ModelServer configures them
     (``--configure_logging``, ``--log_config_file``) unless they have handlers already."""
-    if config.server["configure_logging"] and not kserve_logging.logger.handlers:
-        kserve_logging.configure_logging(config.server["log_config_file"])
+    if config.server.configure_logging and not kserve_logging.logger.handlers:
+        kserve_logging.configure_logging(config.server.log_config_file)
 
 
 def http_port(config: ServerConfig) -> int:
     """``--http_port``; KServe's HTTPS port instead of its default HTTP port with TLS."""
-    s = config.server
-    if s["ssl_certfile"] and s["ssl_keyfile"] and s["http_port"] == DEFAULT_HTTP_PORT:
+    flags = config.server
+    if flags.ssl_certfile and flags.ssl_keyfile and flags.http_port == DEFAULT_HTTP_PORT:
         logger.info("SSL enabled, switching listen port to %d", DEFAULT_HTTPS_PORT)
         return DEFAULT_HTTPS_PORT
-    port: int = s["http_port"]
-    return port
-
-
-def api_key(config: ServerConfig, environ: dict[str, str] | None = None) -> str | None:
-    """``--api_key``, else ``$HUGGINGFACESERVER_API_KEY`` (kept out of the pod's args)."""
-    if config.api_key:
-        return config.api_key
-    value = (environ if environ is not None else os.environ).get(API_KEY_ENV, "").strip()
-    return value or None
+    return flags.http_port
 
 
 def install_gateway(app: FastAPI, config: ServerConfig, rules: Rules) -> None:
@@ -199,7 +186,7 @@ def install_gateway(app: FastAPI, config: ServerConfig, rules: Rules) -> None:
         request_timeout_s=config.request_timeout_seconds,
         read_timeout_s=config.request_read_timeout_seconds,
         log_requests=not config.disable_log_requests,
-        openai_prefix=route_prefix(),
+        openai_prefix=config.openai_route_prefix,
         model_name=config.model_name,
     )
     app.add_middleware(
@@ -246,7 +233,7 @@ def serve_model(
     rules = Rules(
         Admission(config.max_concurrent_requests, admission_slots),
         state,
-        api_key(config),
+        config.api_key,
         config.enable_model_repository,
         not config.disable_log_requests,
     )
@@ -258,9 +245,9 @@ def serve_model(
     app = build_app(
         dataplane,
         repository,
-        route_prefix(),
+        config.openai_route_prefix,
         enable_repository=config.enable_model_repository,
-        enable_docs_url=config.server["enable_docs_url"],
+        enable_docs_url=config.server.enable_docs_url,
     )
     install_gateway(app, config, rules)
     options = ServingOptions.from_flags(

@@ -1,13 +1,17 @@
-"""What a model served by this server's own decode loop refuses in a generation request, checked
-where the request arrives (a 400 before a stream starts) and again where it decodes."""
+"""What a generative model refuses in a request, the same on every backend
+(:meth:`.backends.base.GenerationBackend.check_request`): checked where the request arrives (a
+400 before a stream starts) and again where it decodes."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from ..errors import BadRequest
-from .constraints import LazyGrammars
 from .params import SamplingParams
+
+if TYPE_CHECKING:  # llguidance: only where a constraint is compiled
+    from .constraints import LazyGrammars
 
 
 def check_generation_request(
@@ -20,9 +24,8 @@ def check_generation_request(
     is_encoder_decoder: bool,
     grammars: LazyGrammars,
 ) -> None:
-    """What a transformers-served model refuses (the protocol layer should have caught it),
-    an invalid structured-output constraint included; ``adapters``: the LoRA adapters
-    served."""
+    """What the model refuses (the protocol layer should have caught most of it), an invalid
+    structured-output constraint included; ``adapters``: the LoRA adapters served."""
     if adapter is not None and adapter not in adapters:
         raise BadRequest(f"unknown LoRA adapter {adapter!r}")
     if not prompt_ids:

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli import VLLM_RUNS_ITS_OWN_ENGINE
 from ..errors import StartupError
+from ..model_facts import weight_bytes
+from ..pod import PodLimits, gib
 from ..units import MiB
-from .pod import PodLimits, gib
 
 MAX_AUTO_API_WORKERS = 8
 """``--api_workers auto`` on a CUDA device: one front per two cores, at most this many."""
@@ -34,17 +36,12 @@ server the fronts come from)."""
 ENGINE_RUNTIME_BYTES = 1024 * MiB
 """The engine besides the model's weights: torch, the tokenizer, the batcher (517 MiB on CPU;
 a CUDA context takes host memory besides)."""
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 def engine_bytes(model_dir: Path) -> int:
-    """The memory the engine needs for the model in ``model_dir``: its weight files (the
-    ``*.safetensors``, else the ``*.bin``) and :data:`ENGINE_RUNTIME_BYTES`."""
-    for suffix in WEIGHT_SUFFIXES:
-        sizes = [path.stat().st_size for path in model_dir.glob(f"*{suffix}") if path.is_file()]
-        if sizes:
-            return sum(sizes) + ENGINE_RUNTIME_BYTES
-    return ENGINE_RUNTIME_BYTES
+    """The memory the engine needs for the model in ``model_dir``: the weights it loads
+    (:func:`.model_facts.weight_bytes`) and :data:`ENGINE_RUNTIME_BYTES`."""
+    return weight_bytes(model_dir) + ENGINE_RUNTIME_BYTES
 
 
 def memory_needed(fronts: int, engine: int) -> int:
@@ -79,15 +76,15 @@ def choose_layout(
 ) -> Layout:
     """The layout for ``--api_workers`` (None: auto), the backend that serves the model
     (``huggingface`` or ``vllm``), transformer mode (``remote``), the machine, the pod's limits
-    and the engine's estimated memory (``engine`` bytes, see :func:`engine_bytes`)."""
+    and the engine's estimated memory (``engine`` bytes, see :func:`engine_bytes`).
+
+    ``backend`` is the one chosen for the model and ``remote`` holds for encoders only, so
+    these checks need the model: parsing has refused ``--backend vllm`` with an explicit
+    ``--api_workers`` N > 1 already."""
     several = requested is not None and requested > 1
     if backend == "vllm":
         if several:
-            raise StartupError(
-                "--api_workers > 1 is not supported with the vLLM backend (vLLM already runs "
-                "its engine in a process of its own): use --api_workers 1, or --backend "
-                "huggingface"
-            )
+            raise StartupError(VLLM_RUNS_ITS_OWN_ENGINE)
         return Layout(1, "vLLM runs its engine in a process of its own")
     if remote:
         if several:

@@ -61,9 +61,9 @@ def run_processes(config: ServerConfig, fronts: int) -> None:
     request; raise :class:`StartupError` when one of them exited unasked."""
     from ..edge.listeners import check_port_free
 
-    check_port_free(config.server["http_port"], "HTTP")
-    if config.server.get("enable_grpc", True):
-        check_port_free(config.server["grpc_port"], "gRPC")
+    check_port_free(config.server.http_port, "HTTP")
+    if config.server.enable_grpc:
+        check_port_free(config.server.grpc_port, "gRPC")
     run_dir = tempfile.mkdtemp(prefix="huggingfaceserver-")
     wiring = Wiring(f"ipc://{run_dir}/engine.sock", run_dir, fronts)
     metrics_dir = Path(run_dir, "metrics")

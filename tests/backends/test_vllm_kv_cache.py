@@ -110,8 +110,16 @@ def test_without_numa_information_the_hosts_available_memory_counts(tmp_path):
     assert read_memory(tmp_path) == Memory(10 * GiB, "this host")
 
 
+def cgroup_v2(root: Path) -> Path:
+    """cgroup v2 mounted at ``/sys/fs/cgroup`` (its ``cgroup.controllers`` says so), read as
+    :func:`huggingfaceserver.pod.cgroup_memory` reads it."""
+    write(root / "sys/fs/cgroup/cgroup.controllers", "cpu memory pids\n")
+    return root / "sys/fs/cgroup"
+
+
 def test_a_cgroup_v2_limit_below_the_node_memory_wins(tmp_path):
     fake_system(tmp_path)
+    cgroup_v2(tmp_path)
     write(tmp_path / "sys/fs/cgroup/memory.max", f"{4 * GiB}\n")
     write(tmp_path / "sys/fs/cgroup/memory.current", f"{1 * GiB}\n")
     assert read_memory(tmp_path) == Memory(3 * GiB, "the cgroup (limit 4.00 GiB)")
@@ -119,6 +127,7 @@ def test_a_cgroup_v2_limit_below_the_node_memory_wins(tmp_path):
 
 def test_a_cgroup_limit_above_what_the_node_has_changes_nothing(tmp_path):
     fake_system(tmp_path)
+    cgroup_v2(tmp_path)
     write(tmp_path / "sys/fs/cgroup/memory.max", f"{64 * GiB}\n")
     write(tmp_path / "sys/fs/cgroup/memory.current", f"{1 * GiB}\n")
     assert read_memory(tmp_path) == Memory(6 * GiB, "NUMA node 1")
@@ -130,6 +139,8 @@ def test_a_cgroup_limit_above_what_the_node_has_changes_nothing(tmp_path):
 )
 def test_an_unlimited_cgroup_changes_nothing(tmp_path, limit_file, limit):
     fake_system(tmp_path)
+    if limit_file == "memory.max":
+        cgroup_v2(tmp_path)
     write(tmp_path / "sys/fs/cgroup" / limit_file, limit + "\n")
     assert read_memory(tmp_path) == Memory(6 * GiB, "NUMA node 1")
 
@@ -139,6 +150,22 @@ def test_a_cgroup_v1_limit_counts(tmp_path):
     write(tmp_path / "sys/fs/cgroup/memory/memory.limit_in_bytes", f"{2 * GiB}\n")
     write(tmp_path / "sys/fs/cgroup/memory/memory.usage_in_bytes", f"{GiB // 2}\n")
     assert read_memory(tmp_path).available == 3 * GiB // 2
+
+
+def test_the_limit_of_the_process_own_cgroup_counts(tmp_path):
+    """As the pod's limits are read (huggingfaceserver.pod): the mounts from mountinfo, the
+    process's cgroup from /proc/self/cgroup; its own limit is tighter than the mount root's."""
+    fake_system(tmp_path)
+    own = cgroup_v2(tmp_path) / "kubepods/pod/ctr"
+    write(
+        tmp_path / "proc/self/mountinfo",
+        "31 23 0:28 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n",
+    )
+    write(tmp_path / "proc/self/cgroup", "0::/kubepods/pod/ctr\n")
+    write(tmp_path / "sys/fs/cgroup/memory.max", "max\n")
+    write(own / "memory.max", f"{4 * GiB}\n")
+    write(own / "memory.current", f"{3 * GiB}\n")
+    assert read_memory(tmp_path) == Memory(GiB, "the cgroup (limit 4.00 GiB)")
 
 
 def test_the_real_machines_memory_is_readable():

@@ -395,7 +395,7 @@ def argv_problems(doc: dict[str, Any]) -> list[str]:
         config, error = parse_server_args(argv)
         if config is None:
             problems.append(f"{container.where}: {error} (argv {argv})")
-        elif config.server.get("workers", 1) > 1:
+        elif config.server.workers > 1:
             problems.append(f"{container.where}: --workers > 1 is refused (argv {argv})")
     return problems
 

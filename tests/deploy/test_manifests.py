@@ -148,7 +148,7 @@ def test_readiness_probes_pass_knatives_validation(path: Path) -> None:
 
 
 def test_the_runtimes_probe_and_expose_metrics_on_the_servers_http_port() -> None:
-    port = parse_args([]).server["http_port"]
+    port = parse_args([]).server.http_port
     assert set(our_runtimes()) == {"huggingfaceserver", "huggingfaceserver-multinode"}
     for name, runtime in our_runtimes().items():
         spec = runtime["spec"]

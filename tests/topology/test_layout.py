@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from huggingfaceserver.errors import StartupError
+from huggingfaceserver.pod import GiB, PodLimits
 from huggingfaceserver.topology.layout import (
     ENGINE_RUNTIME_BYTES,
     FRONT_BYTES,
@@ -16,7 +17,6 @@ from huggingfaceserver.topology.layout import (
     engine_bytes,
     memory_needed,
 )
-from huggingfaceserver.topology.pod import GiB, PodLimits
 
 ENGINE = 2 * GiB
 
@@ -138,3 +138,10 @@ def test_engine_bytes_are_the_weights_and_the_runtime(tmp_path: Path):
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 200)
     (tmp_path / "config.json").write_text("{}")
     assert engine_bytes(tmp_path) == 500 + ENGINE_RUNTIME_BYTES
+
+
+def test_engine_bytes_count_pytorch_pickles_of_any_suffix(tmp_path: Path):
+    """The weight size is model_facts.weight_bytes, as vLLM sizing counts it: .pt and .pth
+    besides .bin (the layout knew .bin only)."""
+    (tmp_path / "model.pt").write_bytes(b"\0" * 400)
+    assert engine_bytes(tmp_path) == 400 + ENGINE_RUNTIME_BYTES

@@ -54,7 +54,7 @@ class OnnxEncoder(TransformersEncoder):
         self.name = backend
         self.runtime, self.runtime_name = RUNTIMES[backend]
         self.fallback = fallback
-        self.store = store or ExportStore.default()
+        self.store = store or ExportStore.in_cache(config.cache_dir)
         self.session: GraphSession | None = None
         self.graph: StoredGraph | None = None
         """The export the session runs (None on torch)."""

@@ -20,19 +20,20 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...cli import CACHE_ENV as CACHE_ENV
+from ...cli import cache_dir as cache_dir  # read once into ServerConfig.cache_dir by parsing
 from ...loading import ModelSource
 from . import OnnxUnavailable
 from .export import SHIPPED_FILES, GraphSpec, build
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "HUGGINGFACESERVER_CACHE"
 FORMAT = 1
 """Bumped whenever the export recipe changes: every stored export is then a miss."""
 LIBRARIES = ("torch", "transformers", "onnxruntime", "onnx")
@@ -42,21 +43,6 @@ GRAPH_FILE = "model.onnx"
 RECORD_FILE = "record.json"
 
 S = TypeVar("S")
-
-
-def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
-    """The server's cache directory: ``$HUGGINGFACESERVER_CACHE``, else
-    ``$XDG_CACHE_HOME/huggingfaceserver``, else ``~/.cache/huggingfaceserver``; None where there
-    is nowhere to keep it (no home directory, as for a container user without one and without
-    ``HOME``)."""
-    if environ.get(CACHE_ENV):
-        return Path(environ[CACHE_ENV])
-    if environ.get("XDG_CACHE_HOME"):
-        return Path(environ["XDG_CACHE_HOME"]) / "huggingfaceserver"
-    home = os.path.expanduser("~")
-    if home.startswith("~"):
-        return None
-    return Path(home) / ".cache" / "huggingfaceserver"
 
 
 def library_versions() -> dict[str, str]:
@@ -114,9 +100,15 @@ class ExportStore:
         self.root = root
 
     @classmethod
+    def in_cache(cls, cache: Path | None) -> ExportStore:
+        """The exports in the server's cache directory (``ServerConfig.cache_dir``)."""
+        return cls(cache / "onnx" if cache is not None else None)
+
+    @classmethod
     def default(cls) -> ExportStore:
-        root = cache_dir()
-        return cls(root / "onnx" if root is not None else None)
+        """The exports in the cache directory the environment names now (callers with a config:
+        :meth:`in_cache` with its ``cache_dir``, read once at parsing)."""
+        return cls.in_cache(cache_dir())
 
     def open(
         self,

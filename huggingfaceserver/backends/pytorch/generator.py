@@ -27,15 +27,15 @@ from transformers import (
 
 from ...cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ...errors import BadRequest, StartupError
-from ...generation.checks import check_generation_request
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
 from ...loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
+from ...model_facts import context_length
 from ...tasks import Task
 from ..base import GenerationBackend, release_weights, unloaded
 from ..loop_calls import LoopCalls
-from ..lora import LoraModule, served_adapters
+from ..lora import LoraModule, ServedAdapters, served_adapters
 from ..tokenizing import UNSET_MAX_LENGTH
 from .adapters import InvalidAdapter, LoraAdapters
 from .decode_batch import (
@@ -63,27 +63,17 @@ MODEL_CLASSES: dict[Task, Any] = {
     Task.text2text_generation: AutoModelForSeq2SeqLM,
 }
 
-# Config attributes that bound the positions a model takes (the ones vLLM reads).
-POSITION_LIMIT_ATTRIBUTES = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "max_seq_length",
-)
 # Context for relative-position models (T5) whose tokenizer sets no limit either.
 RELATIVE_POSITION_CONTEXT = 512
 
 
 def model_context_length(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> int:
-    """The longest sequence the model takes: its position limit, or for relative-position
-    models the tokenizer's ``model_max_length`` when set, else 512."""
-    text_config = config.get_text_config()
-    limits = [getattr(text_config, name, None) for name in POSITION_LIMIT_ATTRIBUTES]
-    known = [int(limit) for limit in limits if isinstance(limit, int) and limit > 0]
-    if known:
-        return min(known)
+    """The longest sequence the model takes: the context length its config declares
+    (:func:`.model_facts.context_length`), or for relative-position models the tokenizer's
+    ``model_max_length`` when set, else 512."""
+    declared = context_length(config)
+    if declared is not None:
+        return declared
     if 0 < tokenizer.model_max_length < UNSET_MAX_LENGTH:
         return int(tokenizer.model_max_length)
     return RELATIVE_POSITION_CONTEXT
@@ -129,7 +119,7 @@ class TransformersGenerator(GenerationBackend):
         self.config = config
         self.device = device()
         self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
-        self.adapters = served_adapters(config)
+        self.adapters: ServedAdapters = served_adapters(config)
         """LoRA adapters, each served under its own model name (loaded with the model)."""
         self.lora: LoraAdapters | None = None
 
@@ -243,21 +233,6 @@ class TransformersGenerator(GenerationBackend):
         if not isinstance(start, int):
             raise StartupError("the model config sets no decoder_start_token_id")
         return start
-
-    def check_request(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
-    ) -> None:
-        """Refuse what the model cannot do (the protocol layer should have caught it)."""
-        check_generation_request(
-            prompt_ids,
-            params,
-            adapter,
-            self.adapters,
-            self.max_model_len,
-            self.vocab_size,
-            self.is_encoder_decoder,
-            self.grammars,
-        )
 
     def new_sequences(
         self, prompt_ids: list[int], params: SamplingParams, with_text: bool = True

@@ -28,7 +28,7 @@ from ...generation.params import (
 )
 from ...loading import ModelSource, load_tokenizer
 from ..base import GenerationBackend
-from ..lora import served_adapters
+from ..lora import ServedAdapters, served_adapters
 from . import compat
 from .engine import EngineHolder
 from .engine_args import build_engine_args
@@ -125,7 +125,7 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
         self.source = source
         self.config = config
         self.engine_args = build_engine_args(source, config, kv_cache_bytes)
-        self.adapters = served_adapters(config)
+        self.adapters: ServedAdapters = served_adapters(config)
         """LoRA adapters, each a model name of its own: named at startup or loaded at run time
         (``--enable_runtime_lora``: the engine's ``add_lora``)."""
 
@@ -144,16 +144,9 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
     def check_request(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> None:
-        ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
-        outside = sorted(i for i in ids if not 0 <= i < self.vocab_size)
-        if outside:
-            raise BadRequest(
-                f"token ids outside the vocabulary (0-{self.vocab_size - 1}): {outside}"
-            )
-        if adapter is not None and adapter not in self.adapters:
-            raise BadRequest(f"unknown LoRA adapter {adapter!r}")
-        if params.constraint is not None:  # checked as the engine's guidance backend would
-            self.grammars.get().grammar(params.constraint)
+        """Every backend's check (a constraint compiled as the engine's guidance backend
+        would), then what vLLM's own parameters refuse."""
+        super().check_request(prompt_ids, params, adapter)
         to_vllm_params(params)
 
     def lora_request(self, adapter: str | None) -> compat.LoRARequest | None:

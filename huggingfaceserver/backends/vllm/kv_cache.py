@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...pod import cgroup_memory
 from ...units import GiB, MiB
 
 if TYPE_CHECKING:
@@ -43,18 +44,7 @@ HEADROOM_SHARE = 0.1
 BLOCK_TOKENS = 128  # vLLM's CPU block size
 DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for its engine API
 DEFAULT_CONTEXT = 2048  # vLLM's guess for a config that names no context length
-CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
 DTYPE_BYTES = {"auto": 4, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-WEIGHT_SUFFIXES = ((".safetensors",), (".bin", ".pt", ".pth"))  # vLLM prefers safetensors
-CGROUP_V1_UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -148,7 +138,7 @@ def vllm_sizes_on_cpu() -> bool:
 
 def model_memory(source: ModelSource, config: ServerConfig) -> ModelMemory | None:
     """The weights' size at the served dtype and the KV cache's bytes per token (keys and
-    values of every layer), from the model's folder and config."""
+    values of every layer), from the model's config and facts (:attr:`.ModelSource.facts`)."""
     text = source.config.get_text_config()
     layers = first_int(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
@@ -158,15 +148,16 @@ def model_memory(source: ModelSource, config: ServerConfig) -> ModelMemory | Non
     head_dim = first_int(text, "head_dim") or (first_int(text, "hidden_size") or 0) // heads
     if not head_dim:
         return None
+    facts = source.facts
     dtype_bytes = DTYPE_BYTES.get(config.dtype, 4)
-    stored = str(getattr(source.config, "dtype", None) or "").removeprefix("torch.")
+    stored = facts.dtype
     scale = dtype_bytes / DTYPE_BYTES[stored] if stored in DTYPE_BYTES else 1.0
     kv_dtype = (config.engine_flags.get("kv-cache-dtype") or ["auto"])[0]
     kv_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES.get(kv_dtype, dtype_bytes)
     return ModelMemory(
-        weights=int(weight_bytes(source.path) * max(scale, 1.0)),
+        weights=int(facts.weight_bytes * max(scale, 1.0)),
         bytes_per_token=2 * layers * kv_heads * head_dim * kv_bytes,
-        context=config.max_length or first_int(text, *CONTEXT_KEYS, least=True) or DEFAULT_CONTEXT,
+        context=config.max_length or facts.context_length or DEFAULT_CONTEXT,
         max_num_seqs=flag_int(config, "max-num-seqs") or DEFAULT_MAX_NUM_SEQS,
     )
 
@@ -180,30 +171,20 @@ def flag_int(config: ServerConfig, name: str) -> int | None:
         return None
 
 
-def first_int(config: object, *names: str, least: bool = False) -> int | None:
-    """The first (or, with ``least``, the smallest) positive integer among these attributes."""
+def first_int(config: object, *names: str) -> int | None:
+    """The first positive integer among these attributes."""
     values = [v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0]
-    if not values:
-        return None
-    return min(values) if least else values[0]
-
-
-def weight_bytes(folder: Path) -> int:
-    """The size of the weight files vLLM loads from the folder (safetensors when there are)."""
-    for suffixes in WEIGHT_SUFFIXES:
-        files = [p for p in folder.iterdir() if p.name.endswith(suffixes) and p.is_file()]
-        if files:
-            return sum(p.stat().st_size for p in files)
-    return 0
+    return values[0] if values else None
 
 
 def read_memory(root: Path = Path("/")) -> Memory:
     """Memory available now where vLLM's CPU worker allocates (the NUMA node of the first CPU
-    this process may run on, counted as vLLM counts it), within the cgroup's limit."""
+    this process may run on, counted as vLLM counts it), within the cgroup's limit (as
+    :func:`~huggingfaceserver.pod.cgroup_memory` reads it)."""
     memory = node_memory(root) or host_memory(root)
-    limit, usage = cgroup_memory(root)
-    if limit is not None and limit - usage < memory.available:
-        return Memory(max(limit - usage, 0), f"the cgroup (limit {human(limit)})")
+    cgroup = cgroup_memory(root)
+    if cgroup is not None and cgroup.free < memory.available:
+        return Memory(cgroup.free, f"the cgroup (limit {human(cgroup.limit)})")
     return memory
 
 
@@ -231,23 +212,3 @@ def meminfo(path: Path) -> dict[str, int]:
         if match:
             info[match.group(1)] = int(match.group(2)) * 1024
     return info
-
-
-def cgroup_memory(root: Path) -> tuple[int | None, int]:
-    """The cgroup's memory limit (None: unlimited) and usage, cgroup v2 or v1."""
-    cgroup = root / "sys/fs/cgroup"
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
-    ):
-        limit = read_int(cgroup / limit_file)
-        if limit is not None and limit < CGROUP_V1_UNLIMITED:
-            return limit, read_int(cgroup / usage_file) or 0
-    return None, 0
-
-
-def read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):  # absent, or "max"
-        return None

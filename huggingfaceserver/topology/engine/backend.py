@@ -18,11 +18,10 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
 from ...backends.encoding import Row
-from ...backends.lora import lora_modules
+from ...backends.lora import LoraModule, lora_modules
 from ...backends.tokenizing import EncoderFacts, TokenizingEncoder
 from ...cli import ServerConfig
 from ...errors import StartupError
-from ...generation.checks import check_generation_request
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
@@ -100,7 +99,7 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
                 "--enable_runtime_lora needs one process (--api_workers 1): each front process "
                 "would serve its own list of adapters"
             )
-        self.adapters = {module.name: module for module in lora_modules(config)}
+        self.adapters: dict[str, LoraModule] = {m.name: m for m in lora_modules(config)}
         """The LoRA adapters the engine serves, each under its own model name."""
 
     def load(self) -> None:
@@ -113,21 +112,6 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.vocab_size = facts.vocab_size
         self.is_encoder_decoder = facts.is_encoder_decoder
         self.grammars = LazyGrammars.for_tokenizer(self.tokenizer, self.vocab_size)
-
-    def check_request(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
-    ) -> None:
-        """Checked here as the engine will (a 400 before a stream starts), constraints too."""
-        check_generation_request(
-            prompt_ids,
-            params,
-            adapter,
-            self.adapters,
-            self.max_model_len,
-            self.vocab_size,
-            self.is_encoder_decoder,
-            self.grammars,
-        )
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

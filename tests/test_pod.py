@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from huggingfaceserver.topology.pod import (
+from huggingfaceserver.pod import (
+    CgroupMemory,
     GiB,
     PodLimits,
+    cgroup_memory,
     cgroup_mounts,
     limit_folders,
     process_cgroups,
@@ -240,6 +242,43 @@ def test_an_escaped_mount_point_is_found(tmp_path):
 def test_no_cgroups_at_all_is_the_affinity(tmp_path):
     assert read_pod_limits(tmp_path, affinity=5) == PodLimits(5, None, "CPU affinity")
     assert read_pod_limits(tmp_path, affinity=0).cores == 1
+
+
+# --- memory: the limit and what the cgroup uses of it ----------------------------------------
+
+
+def test_v2_usage_is_the_limited_cgroup_s_memory_current(tmp_path):
+    v2(tmp_path, None, str(4 * GiB))
+    fake(
+        tmp_path,
+        {
+            "sys/fs/cgroup/kubepods/pod/ctr/memory.current": f"{GiB}\n",
+            "sys/fs/cgroup/memory.current": f"{3 * GiB}\n",  # the whole mount: not this limit's
+        },
+    )
+    memory = cgroup_memory(tmp_path)
+    assert memory == CgroupMemory(4 * GiB, GiB, 2)
+    assert memory is not None and memory.free == 3 * GiB
+    assert read_pod_limits(tmp_path, affinity=1).memory_bytes == memory.limit
+
+
+def test_v1_usage_is_memory_usage_in_bytes(tmp_path):
+    v1(tmp_path, "-1", str(2 * GiB))
+    fake(tmp_path, {"sys/fs/cgroup/memory/kubepods/pod/ctr/memory.usage_in_bytes": f"{GiB}\n"})
+    assert cgroup_memory(tmp_path) == CgroupMemory(2 * GiB, GiB, 1)
+
+
+def test_usage_over_the_limit_or_unreadable(tmp_path):
+    v2(tmp_path, None, str(GiB))
+    assert cgroup_memory(tmp_path) == CgroupMemory(GiB, 0, 2)  # no memory.current
+    fake(tmp_path, {"sys/fs/cgroup/kubepods/pod/ctr/memory.current": f"{2 * GiB}\n"})
+    memory = cgroup_memory(tmp_path)
+    assert memory is not None and memory.free == 0
+
+
+def test_no_memory_limit_is_none(tmp_path):
+    assert cgroup_memory(v2(tmp_path, None, "max")) is None
+    assert cgroup_memory(tmp_path / "nothing") is None
 
 
 # --- cores: affinity and quota ----------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""What the pod allows this process: its usable cores and its memory limit.
+"""What the pod allows this process: its usable cores and its memory limit (read here only:
+the layout and vLLM's CPU KV cache are sized from it).
 
 A pod limited to ``cpu: 1`` on a 64-core node still sees 64 cores in ``os.cpu_count()``; its
 limits are in the process's cgroup. Read (cgroup v1 and v2, hybrid hosts included):
 
 - cores: the fewest of the CPU affinity and the CPU quota rounded up (v2 ``cpu.max``, v1
   ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), at least 1;
-- memory: v2 ``memory.max``, v1 ``memory.limit_in_bytes``.
+- memory: v2 ``memory.max``, v1 ``memory.limit_in_bytes``, and what the cgroup with that limit
+  uses now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
 
 The cgroup mounts come from ``/proc/self/mountinfo`` (the usual places under ``/sys/fs/cgroup``
 when it cannot be read) and the process's cgroup from ``/proc/self/cgroup``. Each limit is read
@@ -22,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..units import GiB
+from .units import GiB
 
 UNLIMITED_MEMORY = 1 << 62
 """A v1 ``memory.limit_in_bytes`` at or above this is "no limit" (the kernel writes
@@ -178,6 +180,41 @@ def memory_limit(version: int, folder: Path) -> int | None:
     return limit if limit is not None and limit < UNLIMITED_MEMORY else None
 
 
+def memory_usage(version: int, folder: Path) -> int:
+    """The memory the cgroup at ``folder`` uses now, in bytes (0 where unreadable)."""
+    name = "memory.current" if version == 2 else "memory.usage_in_bytes"
+    return _positive_int(read_text(folder / name)) or 0
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The tightest memory limit of this process's cgroups, and what that cgroup uses."""
+
+    limit: int
+    usage: int
+    version: int
+    """The cgroup version the limit is read from: 1 or 2."""
+
+    @property
+    def free(self) -> int:
+        """What the cgroup may still take before its limit."""
+        return max(self.limit - self.usage, 0)
+
+
+def cgroup_memory(root: Path = Path("/")) -> CgroupMemory | None:
+    """The tightest memory limit among this process's own cgroup and the mount's root (v2 and
+    v1), with the usage of the cgroup it is on; None: no limit."""
+    limits = [
+        (limit, version, folder)
+        for version, folder in limit_folders("memory", root)
+        if (limit := memory_limit(version, folder)) is not None
+    ]
+    if not limits:
+        return None
+    limit, version, folder = min(limits, key=lambda found: found[:2])
+    return CgroupMemory(limit, memory_usage(version, folder), version)
+
+
 def affinity_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -199,12 +236,7 @@ def read_pod_limits(root: Path = Path("/"), affinity: int | None = None) -> PodL
         if math.ceil(cpus) <= cores:
             cores = max(1, math.ceil(cpus))
             cores_source = f"cgroup v{version} cpu quota ({cpus:.1f} CPUs)"
-    limits = [
-        (limit, version)
-        for version, folder in limit_folders("memory", root)
-        if (limit := memory_limit(version, folder)) is not None
-    ]
-    if not limits:
+    memory = cgroup_memory(root)
+    if memory is None:
         return PodLimits(cores, None, cores_source)
-    memory, version = min(limits)
-    return PodLimits(cores, memory, cores_source, f"cgroup v{version}")
+    return PodLimits(cores, memory.limit, cores_source, f"cgroup v{memory.version}")

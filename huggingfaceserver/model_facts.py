@@ -1,0 +1,101 @@
+"""What the server needs to know of a model besides running it: the context length its config
+declares, the size of the weights it loads, the dtype they are stored in. Each is computed here
+and nowhere else (:attr:`.loading.ModelSource.facts` holds them for the served model).
+
+Imports neither torch nor transformers: the supervisor sizes the layout from the weights alone
+(:func:`weight_bytes`), and never reads transformers' config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+CONTEXT_LENGTH_ATTRIBUTES = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+"""Config attributes that bound the positions a model takes: those vLLM reads (its
+``_get_and_verify_max_len``); where several are set, the smallest binds."""
+
+WEIGHT_FORMATS = ((".safetensors",), (".bin", ".pt", ".pth"))
+"""Weight files by format, as transformers and vLLM prefer them: safetensors where there are,
+else PyTorch's pickles. A folder with both holds the same weights twice and loads one set."""
+INDEX_SUFFIX = ".index.json"
+"""A sharded checkpoint's index (``model.safetensors.index.json``): its ``weight_map`` names
+the shards that are loaded (a folder may keep a consolidated copy beside them)."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model's config and folder say of it."""
+
+    context_length: int | None
+    """The longest sequence the config declares (:func:`context_length`); None: none (a
+    relative-position model, as T5): each backend then has its own default."""
+    weight_bytes: int
+    """The size of the weight files it loads (:func:`weight_bytes`)."""
+    dtype: str | None
+    """The dtype its weights are stored in (torch's name: ``bfloat16``); None: not said."""
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, folder: Path) -> ModelFacts:
+        """The facts of the model whose transformers config is ``config``, in ``folder``."""
+        return cls(context_length(config), weight_bytes(folder), stored_dtype(config))
+
+
+def context_length(config: PretrainedConfig) -> int | None:
+    """The smallest of the position limits :data:`CONTEXT_LENGTH_ATTRIBUTES` that the config
+    sets, read on its text config (a composite model's language part, else the config
+    itself); None where it sets none."""
+    text = config.get_text_config()
+    limits = [getattr(text, name, None) for name in CONTEXT_LENGTH_ATTRIBUTES]
+    known = [int(limit) for limit in limits if isinstance(limit, int) and limit > 0]
+    return min(known) if known else None
+
+
+def stored_dtype(config: PretrainedConfig) -> str | None:
+    """The dtype of the stored weights (``dtype`` in ``config.json``, ``torch_dtype`` in older
+    ones: transformers reads both into ``dtype``), by torch's name."""
+    return str(getattr(config, "dtype", None) or "").removeprefix("torch.") or None
+
+
+def weight_bytes(folder: Path) -> int:
+    """The size of the weight files loaded from ``folder``: its safetensors files where it has
+    some, else its ``.bin``, ``.pt`` and ``.pth`` files; of a sharded checkpoint, the shards its
+    index names. 0: no weight files."""
+    for suffixes in WEIGHT_FORMATS:
+        files = [path for path in folder.iterdir() if path.name.endswith(suffixes)]
+        files = [path for path in files if path.is_file()]
+        if files:
+            indexed = indexed_shards(folder, suffixes)
+            files = [path for path in files if path.name in indexed] or files
+            return sum(path.stat().st_size for path in files)
+    return 0
+
+
+def indexed_shards(folder: Path, suffixes: tuple[str, ...]) -> set[str]:
+    """The shard files that the folder's indexes for these formats name (empty: no readable
+    index; an index none of whose shards is there is ignored by :func:`weight_bytes`)."""
+    names: set[str] = set()
+    for suffix in suffixes:
+        for index in folder.glob(f"*{suffix}{INDEX_SUFFIX}"):
+            try:
+                data = json.loads(index.read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                continue
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if isinstance(weight_map, dict):
+                names.update(str(name) for name in weight_map.values())
+    return names
