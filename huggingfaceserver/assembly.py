@@ -64,7 +64,7 @@ def locate(
     installed; ``read_config=False``: transformers' config only if the choice needs it (the
     supervisor of fronts and an engine never loads the model, and imports no torch)."""
     source = load_source(config, read_config)
-    from .backends.vllm.kv_cache import plan_kv_cache  # no vLLM import: asked only for vLLM
+    from .backends.vllm.cache_sizing import plan_kv_cache  # no vLLM import: asked only for vLLM
 
     choice = choose_backend(
         config.backend,

@@ -200,7 +200,7 @@ def layout_before(folder: Path) -> int:
 
 
 def vllm_sizing_weights_before(folder: Path) -> int:
-    """backends.vllm.kv_cache.weight_bytes before model_facts."""
+    """backends.vllm.cache_sizing.weight_bytes before model_facts."""
     for suffixes in ((".safetensors",), (".bin", ".pt", ".pth")):
         found = [p for p in folder.iterdir() if p.name.endswith(suffixes) and p.is_file()]
         if found:

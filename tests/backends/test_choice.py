@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from huggingfaceserver.backends import choose_backend
-from huggingfaceserver.backends.vllm.kv_cache import KvCachePlan
+from huggingfaceserver.backends.vllm.cache_sizing import KvCachePlan
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.tasks import Task
 
@@ -125,7 +125,7 @@ def test_huggingface_requested_is_always_huggingface(task, vllm_installed):
     assert choice.reason
 
 
-# --- vLLM's KV cache (backends/vllm/kv_cache.py) --------------------------------------------
+# --- vLLM's KV cache (backends/vllm/cache_sizing.py) --------------------------------------------
 
 FITS = KvCachePlan(16 * 1024 * 1024, "KV cache 16 MiB, room for 128 of 128 sequences")
 TOO_BIG = KvCachePlan(

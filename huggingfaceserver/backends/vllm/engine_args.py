@@ -38,7 +38,7 @@ def engine_argv(
 ) -> list[str]:
     """The argv vLLM's parser reads: our settings first, the user's engine flags after them
     (so an explicit vLLM flag such as ``--dtype`` or ``--tensor-parallel-size`` wins).
-    ``kv_cache_bytes``: the KV cache as :mod:`.kv_cache` sized it."""
+    ``kv_cache_bytes``: the KV cache as :mod:`.cache_sizing` sized it."""
     dtype = resolve_dtype(config.dtype, source.task, torch.cuda.is_available())
     argv = [
         "--model", str(source.path),

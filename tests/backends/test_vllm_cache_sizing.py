@@ -1,4 +1,4 @@
-"""Sizing vLLM's CPU KV cache (backends/vllm/kv_cache.py) from fake memory figures, fake
+"""Sizing vLLM's CPU KV cache (backends/vllm/cache_sizing.py) from fake memory figures, fake
 /sys and /proc trees and hand-made model configs; no vLLM needed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config, LlamaConfig
 
-from huggingfaceserver.backends.vllm.kv_cache import (
+from huggingfaceserver.backends.vllm.cache_sizing import (
     BLOCK_TOKENS,
     GiB,
     Memory,
