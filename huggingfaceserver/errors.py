@@ -1,16 +1,15 @@
 """Exceptions that carry their status, and what a client is told of an unexpected one.
 
-Each protocol renders them in its own shape: HTTP in :mod:`.edge.http_errors` and the OpenAI
-routes, gRPC in :mod:`.edge.grpc_errors` (the status code for each HTTP status).
+No framework here: each protocol renders them in its own shape, HTTP in :mod:`.edge.http_errors`
+(the shape of each route family, chosen there once) and gRPC in :mod:`.edge.grpc_errors` (the
+status code for each HTTP status).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
-
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -20,13 +19,19 @@ class StartupError(Exception):
 
 
 class ServerError(Exception):
-    """A request failure with the HTTP status it should be answered with."""
+    """A request failure with the HTTP status it should be answered with, and the headers
+    that go with it (``Retry-After``, ``WWW-Authenticate``, ``Connection: close``)."""
 
     status_code: int = HTTPStatus.INTERNAL_SERVER_ERROR
+    code: str | None = None
+    """A machine-readable code, for the shapes that have room for one (OpenAI's ``code``)."""
+    param: str | None = None
+    """The request field at fault, for the shapes that name it (OpenAI's ``param``)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.message = message
+        self.headers: dict[str, str] = dict(headers or {})
 
     def __str__(self) -> str:
         return self.message
@@ -38,10 +43,23 @@ class BadRequest(ServerError):
     status_code = HTTPStatus.BAD_REQUEST
 
 
+class Unauthorized(ServerError):
+    """No API key, or the wrong one (401)."""
+
+    status_code = HTTPStatus.UNAUTHORIZED
+    code = "invalid_api_key"
+
+
 class NotFound(ServerError):
     """No such model (404)."""
 
     status_code = HTTPStatus.NOT_FOUND
+
+
+class ReadTimeout(ServerError):
+    """The request (its headers or its body) did not arrive in time (408)."""
+
+    status_code = HTTPStatus.REQUEST_TIMEOUT
 
 
 class Conflict(ServerError):
@@ -50,8 +68,29 @@ class Conflict(ServerError):
     status_code = HTTPStatus.CONFLICT
 
 
+class PayloadTooLarge(ServerError):
+    """The request body is over ``--max_request_bytes`` (413)."""
+
+    status_code = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+
+
+class TooManyRequests(ServerError):
+    """The server holds as many requests as it may; retry later (429)."""
+
+    status_code = HTTPStatus.TOO_MANY_REQUESTS
+    code = "rate_limit_exceeded"
+
+
 class NotReady(ServerError):
-    """The model is still loading (503)."""
+    """Not serving now: the model is still loading, or the server is shutting down (503)."""
+
+    status_code = HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class EngineDied(ServerError):
+    """The engine (our engine process, or vLLM's) stopped while serving, a run-time failure:
+    the requests waiting on it fail with a 503, and the server exits non-zero with this one
+    line, as for a :class:`StartupError`, so that it is restarted."""
 
     status_code = HTTPStatus.SERVICE_UNAVAILABLE
 
@@ -60,6 +99,12 @@ class ClientClosedRequest(ServerError):
     """The client went away before the answer was ready (nginx's 499; nobody reads it)."""
 
     status_code = 499
+
+
+class Unimplemented(ServerError):
+    """What the request asks is not implemented (501)."""
+
+    status_code = HTTPStatus.NOT_IMPLEMENTED
 
 
 class UpstreamError(ServerError):
@@ -74,14 +119,10 @@ class UpstreamTimeout(ServerError):
     status_code = HTTPStatus.GATEWAY_TIMEOUT
 
 
-def describe_validation_error(exc: RequestValidationError | ValidationError) -> str:
-    """One readable line out of FastAPI's validation error list."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        msg = err.get("msg", "invalid value")
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "invalid request body: " + "; ".join(parts)
+class DeadlineExceeded(ServerError):
+    """The answer was not ready within ``--request_timeout_seconds`` (504)."""
+
+    status_code = HTTPStatus.GATEWAY_TIMEOUT
 
 
 INTERNAL_ERROR = (

@@ -19,7 +19,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from huggingfaceserver.protocols.openai.routes import PREFIX_ENV
+from huggingfaceserver.cli import OPENAI_PREFIX_ENV as PREFIX_ENV
 from tests.harness import ServerProcess, run_server
 from tests.openai_checks import Reference, check_streamed_chat_adds_up, middle_substring
 from tests.prometheus import scrape

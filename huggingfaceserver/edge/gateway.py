@@ -20,8 +20,9 @@ In order, for a request:
   of its inputs: :mod:`..observability.request_notes`) and the request metrics
   (health and ``/metrics`` themselves are logged but not counted).
 
-Refusals are answered in the route's own error shape: OpenAI's on the OpenAI routes, KServe's
-``{"error": ...}`` elsewhere.
+Each refusal is one of our :class:`~huggingfaceserver.errors.ServerError` classes, carrying its
+status and headers, answered in the route's own error shape (:class:`~.http_errors.ErrorShapes`):
+OpenAI's on the OpenAI routes, TEI's on TEI's, KServe's ``{"error": ...}`` elsewhere.
 """
 
 from __future__ import annotations
@@ -36,10 +37,19 @@ from http import HTTPStatus
 from typing import Any
 
 from ..cli import ServerConfig
+from ..errors import (
+    DeadlineExceeded,
+    NotReady,
+    PayloadTooLarge,
+    ReadTimeout,
+    ServerError,
+    TooManyRequests,
+    Unauthorized,
+)
 from ..observability import metrics, request_notes
 from ..observability.request_ids import new_request_id
 from .admission import Admission
-from .http_errors import ResponseState, end_with_error, error_body
+from .http_errors import ErrorShapes, ResponseState, end_with_error
 from .shared_count import SharedCount
 
 logger = logging.getLogger(__name__)
@@ -55,7 +65,11 @@ OPEN_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/health", "
 OPEN_METHODS = frozenset({"GET", "HEAD"})
 
 NO_DEADLINE_PATH = "/v2/repository/"
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+"""Requests whose body is read here and that are admitted; the others (metadata) are cheap."""
 RETRY_AFTER_S = 1
+RETRY_LATER = {"retry-after": str(RETRY_AFTER_S)}
+CLOSE = {"connection": "close"}
 MAX_REQUEST_ID_CHARS = 128
 CLIENT_CLOSED = 499  # nginx's status for a client that left; nobody reads it
 
@@ -137,16 +151,6 @@ class ServerState:
         return self.fronts is None or self.fronts.all_ready()
 
 
-class Refusal(Exception):
-    """A request answered by the gateway itself."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers or {}
-
-
 class Exchange(ResponseState):
     """One request's response as it goes out: how far it went, its status, its id header."""
 
@@ -210,6 +214,7 @@ class Gateway:
         """The application's routes, to name the route of a request refused before routing."""
         self.key = policy.api_key.encode() if policy.api_key else None
         self.reading = ReadingBudget(READING_BUDGET_REQUESTS * policy.max_request_bytes)
+        self.shapes = ErrorShapes(policy.openai_prefix)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -222,8 +227,6 @@ class Gateway:
         with request_notes.collecting() as notes:
             try:
                 await self.serve(scope, receive, exchange)
-            except Refusal as refusal:
-                await self.refuse(scope, exchange, refusal)
             except BaseException:
                 exchange.status = exchange.status or HTTPStatus.INTERNAL_SERVER_ERROR
                 raise
@@ -234,36 +237,43 @@ class Gateway:
         if is_open(scope):
             await self.app(scope, receive, exchange.send)
             return
+        try:
+            body = await self.admit(scope, receive)
+        except ServerError as refusal:
+            await self.refuse(scope, exchange, refusal)
+            return
+        if scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, exchange.send)  # metadata: cheap, not admitted
+        elif body is None:  # the client left while sending it
+            exchange.status = CLIENT_CLOSED
+        else:
+            try:
+                await self.run(scope, body, receive, exchange)
+            finally:
+                self.admission.leave()
+
+    async def admit(self, scope: Scope, receive: Receive) -> bytes | None:
+        """What comes before the handler, each step a refusal (a :class:`ServerError`) when it
+        fails: the key, draining, and for a request with a body, the body (None when there is
+        none to read, or the client left while sending it), then a slot."""
         self.check_key(scope)
         if self.state.draining:
-            raise Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, exchange.send)  # metadata: cheap, not admitted
-            return
+            raise NotReady("the server is shutting down", headers=CLOSE)
+        if scope["method"] not in BODY_METHODS:
+            return None
         body = await self.read_body(scope, receive)
-        if body is None:  # the client left while sending it
-            exchange.status = CLIENT_CLOSED
-            return
-        if not self.admission.try_enter():
+        if body is not None and not self.admission.try_enter():
             metrics.admission_rejected(self.route_of(scope))
-            raise Refusal(
-                HTTPStatus.TOO_MANY_REQUESTS,
-                self.admission.refusal(),
-                {"retry-after": str(RETRY_AFTER_S)},
-            )
-        try:
-            await self.run(scope, body, receive, exchange)
-        finally:
-            self.admission.leave()
+            raise TooManyRequests(self.admission.refusal(), headers=RETRY_LATER)
+        return body
 
     def check_key(self, scope: Scope) -> None:
         if self.key is None:
             return
         if not bearer_matches(header(scope, b"authorization") or b"", self.key):
-            raise Refusal(
-                HTTPStatus.UNAUTHORIZED,
+            raise Unauthorized(
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                {"www-authenticate": "Bearer"},
+                headers={"www-authenticate": "Bearer"},
             )
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -273,7 +283,7 @@ class Gateway:
         limit = self.policy.max_request_bytes
         declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large(int(declared), limit))
+            raise PayloadTooLarge(too_large(int(declared), limit))
         chunks: list[bytes] = []
         size = 0
         try:
@@ -284,14 +294,11 @@ class Gateway:
                         return None
                     chunk = message.get("body", b"")
                     if size + len(chunk) > limit:
-                        raise Refusal(
-                            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_large(size + len(chunk), limit)
-                        )
+                        raise PayloadTooLarge(too_large(size + len(chunk), limit))
                     if not self.reading.take(len(chunk)):
-                        raise Refusal(
-                            HTTPStatus.TOO_MANY_REQUESTS,
+                        raise TooManyRequests(
                             "the server is receiving too many request bodies at once; retry later",
-                            {"retry-after": str(RETRY_AFTER_S), "connection": "close"},
+                            headers={**RETRY_LATER, **CLOSE},
                         )
                     size += len(chunk)
                     chunks.append(chunk)
@@ -299,11 +306,10 @@ class Gateway:
                         return b"".join(chunks)
         except TimeoutError:
             seconds = self.policy.read_timeout_s
-            raise Refusal(
-                HTTPStatus.REQUEST_TIMEOUT,
+            raise ReadTimeout(
                 f"the request body was not received within {seconds:g} s "
                 "(--request_read_timeout_seconds)",
-                {"connection": "close"},
+                headers=CLOSE,
             ) from None
         finally:
             self.reading.give_back(size)
@@ -353,17 +359,15 @@ class Gateway:
         """Past the deadline: a 504, or (a response already under way) its end."""
         seconds = self.policy.request_timeout_s
         message = f"the request took longer than {seconds:g} s (--request_timeout_seconds)"
-        await self.refuse(scope, exchange, Refusal(HTTPStatus.GATEWAY_TIMEOUT, message))
+        await self.refuse(scope, exchange, DeadlineExceeded(message))
         exchange.status = HTTPStatus.GATEWAY_TIMEOUT
 
-    async def refuse(self, scope: Scope, exchange: Exchange, refusal: Refusal) -> None:
-        """The refusal in the route's error shape; a response already under way (a deadline
-        passed mid-stream) is ended with it instead."""
-        body = error_body(scope["path"], self.policy.openai_prefix, refusal.status, refusal.message)
-        headers = [(k.encode(), v.encode()) for k, v in refusal.headers.items()]
-        if refusal.status == HTTPStatus.SERVICE_UNAVAILABLE:
-            headers.append((b"connection", b"close"))
-        await end_with_error(exchange.send, exchange, refusal.status, body, headers)
+    async def refuse(self, scope: Scope, exchange: Exchange, refusal: ServerError) -> None:
+        """The refusal in the route's error shape, with its status and headers; a response
+        already under way (a deadline passed mid-stream) is ended with it instead."""
+        body = self.shapes.body(scope, refusal)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in refusal.headers.items()]
+        await end_with_error(exchange.send, exchange, refusal.status_code, body, headers)
 
     def done(self, scope: Scope, exchange: Exchange, seconds: float, notes: list[str]) -> None:
         if not is_open(scope):

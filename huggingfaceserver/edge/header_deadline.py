@@ -7,25 +7,28 @@ likes, and a flood of such clients would use up the process's descriptors and re
 else. :func:`protocol_with_header_deadline` gives uvicorn an HTTP protocol (its own, on
 httptools) that times each request from the start of its connection, or from its first byte
 after the previous response, to the end of its headers: past the deadline the client gets a 408
-in KServe's error shape and the connection is closed. The body has a deadline of its own in the
-gateway, counted once the headers are in (both are ``--request_read_timeout_seconds``).
+in KServe's error shape (no route is known before the headers) and the connection is closed.
+The body has a deadline of its own in the gateway, counted once the headers are in (both are
+``--request_read_timeout_seconds``).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ..errors import ReadTimeout
+from .http_errors import KSERVE, json_body
 
 
 def timeout_response(seconds: float) -> bytes:
     """The whole 408 response: ``{"error": ...}``, as KServe's routes answer errors."""
-    error = (
+    error = ReadTimeout(
         f"the request's headers did not arrive within {seconds:g} s "
         "(--request_read_timeout_seconds)"
     )
-    body = orjson.dumps({"error": error})
+    body = json_body(KSERVE.content(error))
     head = (
         "HTTP/1.1 408 Request Timeout\r\n"
         "content-type: application/json\r\n"

@@ -1,6 +1,10 @@
-"""How HTTP answers errors: our exceptions with their status, KServe's client-side ones without
-a traceback, 400 (not 422) for bodies that do not validate, 404 for model versions, and a 500
-that names the request id and nothing of the cause for anything else."""
+"""How HTTP answers errors, in one place: the error shape of each route family (KServe's
+``{"error": message}``, OpenAI's, TEI's), chosen by the request's route in :class:`ErrorShapes`
+for every error path (the gateway's refusals, the exception handlers, the middleware that
+catches what no handler took, a response already under way); our exceptions with their status
+and headers, KServe's client-side ones without a traceback, 400 (not 422) for bodies that do not
+validate, 404 for model versions, and a 500 that names the request id and nothing of the cause
+for anything else."""
 
 from __future__ import annotations
 
@@ -9,37 +13,132 @@ import inspect
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from kserve.errors import InvalidInput, ModelNotFound, ModelNotReady, ServerNotReady
+from pydantic import ValidationError
 from starlette.datastructures import Headers, QueryParams
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ServerError, describe_validation_error, internal_error_message, log_unexpected
+from ..errors import (
+    BadRequest,
+    NotFound,
+    NotReady,
+    ServerError,
+    Unimplemented,
+    internal_error_message,
+    log_unexpected,
+)
 from ..observability.request_ids import request_id_in
+from ..protocols.error_routes import describe_validation_error
+from ..protocols.openai import errors as openai
+from ..protocols.tei import routes as tei
 
 logger = logging.getLogger(__name__)
 
+Invalid = RequestValidationError | ValidationError
 
-async def server_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """Render a :class:`ServerError` in the KServe shape ``{"error": message}``."""
+
+@dataclass(frozen=True)
+class ErrorShape:
+    """One protocol's error body: ``content`` renders one of our errors (its status, message,
+    and the code and param where the shape has room for them) as JSON content; ``invalid``
+    turns a body that does not validate into the 400 the protocol answers."""
+
+    name: str
+    content: Callable[[ServerError], dict[str, Any]]
+    invalid: Callable[[Invalid], ServerError]
+
+
+def kserve_content(exc: ServerError) -> dict[str, Any]:
+    return {"error": exc.message}
+
+
+def described(exc: Invalid) -> ServerError:
+    return BadRequest(describe_validation_error(exc))
+
+
+KSERVE = ErrorShape("kserve", kserve_content, described)
+"""KServe's V1 and V2 routes, and any other route (and a request with no route yet)."""
+OPENAI = ErrorShape("openai", openai.error_content, openai.invalid_body)
+TEI = ErrorShape("tei", tei.error_content, described)
+
+
+def is_openai_route(path: str, prefix: str) -> bool:
+    """OpenAI's routes; with an empty prefix ``/v1/models`` stays KServe's (its merged body)."""
+    if not path.startswith(prefix + "/v1/"):
+        return False
+    return bool(prefix) or not path.startswith("/v1/models")
+
+
+def json_body(content: dict[str, Any]) -> bytes:
+    """JSON as Starlette's ``JSONResponse`` writes it."""
+    text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8")
+
+
+class ErrorShapes:
+    """The one place that decides an error's shape: the first route family whose test the
+    request's path and method pass, else KServe's. Built once with the app, from the prefix
+    of the OpenAI routes."""
+
+    def __init__(self, openai_prefix: str):
+        self.families: tuple[tuple[Callable[[str, str], bool], ErrorShape], ...] = (
+            (lambda path, _method: is_openai_route(path, openai_prefix), OPENAI),
+            (tei.is_tei_route, TEI),  # POST / among them (GET / is KServe's liveness)
+        )
+
+    def shape_for(self, path: str, method: str) -> ErrorShape:
+        for belongs, shape in self.families:
+            if belongs(path, method):
+                return shape
+        return KSERVE
+
+    def body(self, scope: Scope, exc: ServerError) -> bytes:
+        """``exc`` in the shape of the request's route."""
+        shape = self.shape_for(scope["path"], scope["method"])
+        return json_body(shape.content(exc))
+
+    def response(self, scope: Scope, exc: ServerError) -> Response:
+        """``exc`` answered in the shape of the request's route, with its status and headers."""
+        return Response(
+            self.body(scope, exc),
+            exc.status_code,
+            headers=exc.headers,
+            media_type="application/json",
+        )
+
+    def invalid(self, scope: Scope, exc: Invalid) -> ServerError:
+        """A body that does not validate, as the 400 of the request's route."""
+        return self.shape_for(scope["path"], scope["method"]).invalid(exc)
+
+
+def shapes_of(request: Request) -> ErrorShapes:
+    """The app's error shapes (:func:`install_error_handlers` keeps them in its state)."""
+    shapes: ErrorShapes = request.app.state.error_shapes
+    return shapes
+
+
+async def server_error_handler(request: Request, exc: Exception) -> Response:
+    """A :class:`ServerError` with its status and headers, in the route's shape. A 5xx is
+    logged with its traceback, but for a 503 (loading, draining, the engine gone: states the
+    log tells once, not faults of a request)."""
     assert isinstance(exc, ServerError)
-    if exc.status_code >= 500:
+    if exc.status_code >= 500 and exc.status_code != HTTPStatus.SERVICE_UNAVAILABLE:
         logger.error("request failed: %s", exc, exc_info=exc)
-    return JSONResponse(status_code=exc.status_code, content={"error": exc.message})
+    return shapes_of(request).response(request.scope, exc)
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's 422 for a body that does not parse is a 400 here, in the KServe shape."""
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
+    """FastAPI's 422 for a body that does not parse is a 400 here, in the route's shape."""
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(
-        status_code=HTTPStatus.BAD_REQUEST, content={"error": describe_validation_error(exc)}
-    )
+    shapes = shapes_of(request)
+    return shapes.response(request.scope, shapes.invalid(request.scope, exc))
 
 
 VERSIONS_NOT_SERVED = (
@@ -48,10 +147,10 @@ VERSIONS_NOT_SERVED = (
 )
 
 
-async def not_implemented_handler(_: Request, exc: Exception) -> JSONResponse:
+async def not_implemented_handler(request: Request, exc: Exception) -> Response:
     """A 501, logged (KServe's own handler, which this replaces, logs it as "Exception:")."""
     logger.error("not implemented: %s", exc, exc_info=exc)
-    return JSONResponse(status_code=HTTPStatus.NOT_IMPLEMENTED, content={"error": str(exc)})
+    return shapes_of(request).response(request.scope, Unimplemented(str(exc)))
 
 
 class ModelVersions:
@@ -61,16 +160,17 @@ class ModelVersions:
     would answer 501 (its versioning is a TODO), but no such version exists here: the server
     serves its model without one."""
 
-    def __init__(self, app: ASGIApp, routes: Callable[[], Sequence[BaseRoute]]):
+    def __init__(
+        self, app: ASGIApp, routes: Callable[[], Sequence[BaseRoute]], shapes: ErrorShapes
+    ):
         self.app = app
         self.routes = routes
         """The application's routes (read per request: KServe's are registered later)."""
+        self.shapes = shapes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.names_a_version(scope):
-            response = JSONResponse(
-                status_code=HTTPStatus.NOT_FOUND, content={"error": VERSIONS_NOT_SERVED}
-            )
+            response = self.shapes.response(scope, NotFound(VERSIONS_NOT_SERVED))
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -100,53 +200,28 @@ def takes_a_version(endpoint: Callable[..., Any] | None) -> bool:
     return "model_version" in inspect.signature(endpoint).parameters
 
 
-KSERVE_CLIENT_ERRORS: dict[type[Exception], int] = {
-    InvalidInput: HTTPStatus.BAD_REQUEST,
-    ModelNotFound: HTTPStatus.NOT_FOUND,
-    ModelNotReady: HTTPStatus.SERVICE_UNAVAILABLE,
-    ServerNotReady: HTTPStatus.SERVICE_UNAVAILABLE,
+KSERVE_CLIENT_ERRORS: dict[type[Exception], type[ServerError]] = {
+    InvalidInput: BadRequest,
+    ModelNotFound: NotFound,
+    ModelNotReady: NotReady,
+    ServerNotReady: NotReady,
 }
-"""KServe's exceptions for a client fault or a server still loading, with the status KServe
-answers them with."""
+"""KServe's exceptions for a client fault or a server still loading, as ours of the status
+KServe answers them with."""
 
 
-async def kserve_client_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def kserve_client_error_handler(request: Request, exc: Exception) -> Response:
     """KServe's answer to its client-side exceptions (:data:`KSERVE_CLIENT_ERRORS`), without
     the error and traceback its handlers log for each: with readiness probes every few
     seconds while the model loads, those bury the real log. The gateway's request line has
     the status."""
-    status = next(KSERVE_CLIENT_ERRORS[c] for c in type(exc).__mro__ if c in KSERVE_CLIENT_ERRORS)
-    return JSONResponse(status_code=status, content={"error": str(exc)})
+    ours = next(KSERVE_CLIENT_ERRORS[c] for c in type(exc).__mro__ if c in KSERVE_CLIENT_ERRORS)
+    return shapes_of(request).response(request.scope, ours(str(exc)))
 
 
-def error_body(path: str, openai_prefix: str, status: int, message: str) -> bytes:
-    """The error in the shape of the route ``path`` belongs to (``/``: TEI's ``POST /``, the
-    only request to it that is ever refused or fails)."""
-    if is_openai_route(path, openai_prefix):
-        from ..protocols.openai.errors import OpenAIErrorResponse
-
-        code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status)
-        return OpenAIErrorResponse.build(message, status, code=code).model_dump_json().encode()
-    from ..protocols.tei import routes as tei
-
-    if tei.is_tei_route(path, "POST"):
-        return tei.error_body(status, message)
-    return json.dumps({"error": message}).encode()
-
-
-def is_openai_route(path: str, prefix: str) -> bool:
-    """OpenAI's routes; with an empty prefix ``/v1/models`` stays KServe's (its merged body)."""
-    if not path.startswith(prefix + "/v1/"):
-        return False
-    return bool(prefix) or not path.startswith("/v1/models")
-
-
-def internal_error_body(path: str, request_id: str) -> bytes:
-    """The 500 body in the shape of the route of ``path`` (OpenAI's on the OpenAI routes,
-    KServe's ``{"error": ...}`` elsewhere): the request id, nothing of the cause."""
-    from ..protocols.openai.routes import route_prefix
-
-    return error_body(path, route_prefix(), 500, internal_error_message(request_id))
+def internal_error(request_id: str) -> ServerError:
+    """The 500 of an unexpected failure: the request id, nothing of the cause."""
+    return ServerError(internal_error_message(request_id))
 
 
 class UnexpectedErrors:
@@ -160,8 +235,9 @@ class UnexpectedErrors:
     carry a status. Starlette's own last resort, a handler keyed on ``Exception``, runs
     outside every middleware, then re-raises to uvicorn, which logs the traceback again."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, shapes: ErrorShapes):
         self.app = app
+        self.shapes = shapes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,7 +254,7 @@ class UnexpectedErrors:
         except Exception as exc:
             request_id = request_id_in(Headers(scope=scope))
             log_unexpected(request_id, exc)
-            body = internal_error_body(scope["path"], request_id)
+            body = self.shapes.body(scope, internal_error(request_id))
             await end_with_error(sending, sent, HTTPStatus.INTERNAL_SERVER_ERROR, body)
 
 
@@ -228,20 +304,19 @@ async def outermost_error_handler(request: Request, exc: Exception) -> Response:
     request id itself."""
     request_id = request_id_in(request.headers)
     log_unexpected(request_id, exc)
-    body = internal_error_body(request.scope["path"], request_id)
-    return Response(
-        body,
-        HTTPStatus.INTERNAL_SERVER_ERROR,
-        headers={"x-request-id": request_id},
-        media_type="application/json",
-    )
+    response = shapes_of(request).response(request.scope, internal_error(request_id))
+    response.headers["x-request-id"] = request_id
+    return response
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, openai_prefix: str) -> None:
     """Our exceptions with their status, KServe's client-side ones answered without a
     traceback, 400 (not 422) for bodies that do not validate, 404 for model versions, and a
-    500 that leaks nothing for any other exception; call after KServe adds its handlers, so
-    that ours win, and before the gateway is added around the app."""
+    500 that leaks nothing for any other exception, each in the shape of its route (the OpenAI
+    routes' under ``openai_prefix``); call after KServe adds its handlers, so that ours win,
+    and before the gateway is added around the app."""
+    shapes = ErrorShapes(openai_prefix)
+    app.state.error_shapes = shapes
     app.add_exception_handler(ServerError, server_error_handler)
     for kserve_error in KSERVE_CLIENT_ERRORS:
         app.add_exception_handler(kserve_error, kserve_client_error_handler)
@@ -250,6 +325,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, outermost_error_handler)  # instead of KServe's
     installed = {middleware.cls for middleware in app.user_middleware}
     if ModelVersions not in installed:
-        app.add_middleware(ModelVersions, routes=lambda: app.router.routes)
+        app.add_middleware(ModelVersions, routes=lambda: app.router.routes, shapes=shapes)
     if UnexpectedErrors not in installed:
-        app.add_middleware(UnexpectedErrors)
+        app.add_middleware(UnexpectedErrors, shapes=shapes)

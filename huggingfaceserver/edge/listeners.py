@@ -203,7 +203,7 @@ def build_app(
         metrics.mount(app)  # every front process's values, read from their shared folder
     else:  # this process's registry, answered on the loop, as KServe answers it
         app.add_api_route("/metrics", metrics_handler, methods=["GET"])
-    install_error_handlers(app)  # its middleware inside the gateway's
+    install_error_handlers(app, openai_prefix)  # its middleware inside the gateway's
     models = ServedModels(dataplane.model_registry)
     mount_openai(app, models, openai_prefix)
     mount_tei(app, models, dataplane.ready)
@@ -214,7 +214,7 @@ def build_app(
         prune_repository_routes(app)
     for exception, handler in KSERVE_ERROR_HANDLERS:
         app.add_exception_handler(exception, handler)
-    install_error_handlers(app)  # ours win over KServe's
+    install_error_handlers(app, openai_prefix)  # ours win over KServe's
     return app
 
 

@@ -29,10 +29,11 @@ from kserve.protocol.rest.v2_datamodels import InferenceRequest
 from pydantic import ValidationError
 
 from ..cli import ServerConfig
-from ..errors import BadRequest, ServerError, StartupError, describe_validation_error
+from ..errors import BadRequest, EngineDied, ServerError, StartupError
 from ..observability import metrics
 from ..observability.logs import format_every_handler, quiet_access_log
 from ..observability.startup import STARTUP
+from ..protocols.error_routes import describe_validation_error
 from ..protocols.kserve_model import BackendModel
 from .admission import Admission, SharedSlots
 from .gateway import Gateway, GatewayPolicy, ReadyFronts, ServerState
@@ -100,10 +101,10 @@ class ModelLoader:
         self.model: BackendModel | None = model
         """The model served from the start, until it is unloaded (:meth:`forget`)."""
         self.state = state
-        self.failures: list[StartupError] = []
+        self.failures: list[StartupError | EngineDied] = []
         self.watchers: dict[int, asyncio.Task[None]] = {}
 
-    def fail(self, model: BackendModel, exc: StartupError) -> None:
+    def fail(self, model: BackendModel, exc: StartupError | EngineDied) -> None:
         model.ready = False
         self.failures.append(exc)
         signal.raise_signal(signal.SIGTERM)
@@ -144,7 +145,7 @@ class ModelLoader:
     async def watch(self, model: BackendModel) -> None:
         try:
             await model.backend.watch()
-        except StartupError as exc:
+        except EngineDied as exc:
             logger.error("%s", exc)
             self.fail(model, exc)
 

@@ -11,7 +11,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from ..encoders.params import EncodeParams, side_named
-from ..errors import BadRequest, describe_validation_error
+from ..errors import BadRequest
+from .error_routes import describe_validation_error
 
 
 class TruncationFields(BaseModel):

@@ -1,10 +1,10 @@
-"""Routes that answer every failure in their protocol's own error shape: a route class per
-protocol (OpenAI's, TEI's) renders our exceptions and bodies that do not validate, each with its
-status, so that KServe's routes keep their own shape beside them."""
+"""Request bodies that do not validate: how one is described, and the route class of the
+handlers that parse their own bodies (the OpenAI and TEI routes), for which such a body is the
+client's fault, like one FastAPI refuses. The shape of the answer is the edge's to choose, by
+route (:mod:`huggingfaceserver.edge.http_errors`), as for every other error."""
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -13,21 +13,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from ..errors import ServerError
+
+def describe_validation_error(exc: RequestValidationError | ValidationError) -> str:
+    """One readable line out of FastAPI's validation error list."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "invalid request body: " + "; ".join(parts)
 
 
-class ShapedErrorRoute(APIRoute):
-    """A route whose failures its protocol renders (:meth:`server_error`, :meth:`invalid`)."""
-
-    @staticmethod
-    @abstractmethod
-    def server_error(exc: ServerError) -> Response:
-        """One of our errors, with its status."""
-
-    @staticmethod
-    @abstractmethod
-    def invalid(exc: ValidationError | RequestValidationError) -> Response:
-        """A body that does not validate: a 400."""
+class OwnBodyRoute(APIRoute):
+    """A route whose handler parses its own body (``model_validate_json``): pydantic's
+    :class:`ValidationError` from it is raised as FastAPI's :class:`RequestValidationError`,
+    which the server's handler answers with a 400 in the route's error shape (elsewhere a
+    stray ``ValidationError`` is a bug in the server, a 500)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -35,9 +36,7 @@ class ShapedErrorRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
-            except ServerError as exc:
-                return self.server_error(exc)
-            except (ValidationError, RequestValidationError) as exc:
-                return self.invalid(exc)
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from exc
 
         return route

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..cli import ServerConfig
 from ..edge.admission import FileSlots
 from ..edge.shared_count import SharedCount
-from ..errors import StartupError
+from ..errors import EngineDied, StartupError
 from ..observability.metrics import shared_across_processes
 from .engine import STOP_SIGNAL
 
@@ -201,7 +201,7 @@ def _child_setup(config: ServerConfig) -> None:
     exit_with_parent()
 
 
-def _report(wiring: Wiring, name: str, exc: StartupError) -> None:
+def _report(wiring: Wiring, name: str, exc: StartupError | EngineDied) -> None:
     """Leave the child's one-line error for the supervisor, which prints it last."""
     wiring.error_file(name).write_text(str(exc))
 
@@ -229,6 +229,6 @@ def front_main(config: ServerConfig, wiring: Wiring, index: int, slots: str, rea
 
     try:
         serve_front(config, wiring.address, index, wiring.fronts, slots, ready)
-    except StartupError as exc:
+    except (StartupError, EngineDied) as exc:
         _report(wiring, f"front-{index}", exc)
         raise SystemExit(1) from None

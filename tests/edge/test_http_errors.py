@@ -134,7 +134,7 @@ async def test_not_ready_answers_are_503s_without_a_log(loading_client, caplog):
 )
 async def test_each_exception_answers_its_status(caplog, exc, status):
     app = FastAPI()
-    install_error_handlers(app)
+    install_error_handlers(app, "/openai")
 
     @app.get("/raise")
     async def raising() -> None:

@@ -243,8 +243,9 @@ class Boom(Exception):
 
 def failing_app() -> FastAPI:
     app = FastAPI()
-    install_error_handlers(app)
-    install_error_handlers(app)  # the server installs them twice (before and after KServe's)
+    # the server installs them twice (before and after KServe's)
+    install_error_handlers(app, "/openai")
+    install_error_handlers(app, "/openai")
 
     @app.post("/v2/models/m/infer")
     async def kserve_route() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm import AsyncEngineArgs
 
-from ...errors import StartupError
+from ...errors import EngineDied, StartupError
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -76,4 +76,4 @@ class EngineHolder:
             try:
                 await self.engine.check_health()
             except Exception as exc:  # whatever the health check raises, the engine is gone
-                raise StartupError(f"the vLLM engine died: {exc}") from None
+                raise EngineDied(f"the vLLM engine died: {exc}") from None

@@ -1,22 +1,19 @@
-"""OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, for every failure on
-the OpenAI routes: typed server errors, unknown models, and request bodies that do not validate
-(400 here, never FastAPI's 422 ``detail``).
+"""OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``: how a failure on
+the OpenAI routes is rendered (typed server errors, unknown models, and request bodies that do not
+validate: 400 here, never FastAPI's 422 ``detail``). The edge answers with it on these routes
+(:mod:`huggingfaceserver.edge.http_errors`), the chat and completion streams end with it.
 """
 
 from __future__ import annotations
 
-import logging
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from huggingfaceserver.errors import BadRequest, ServerError
-
-logger = logging.getLogger(__name__)
 
 # OpenAI's error types by status; any other 4xx is an invalid request (OpenAI's type for an
 # unknown model too, told apart by its code), any other 5xx a server error.
@@ -100,23 +97,14 @@ def prompt_too_long_error(
     )
 
 
+def error_content(exc: ServerError) -> dict[str, Any]:
+    """``exc`` in the OpenAI shape (its status, param and code), as JSON content."""
+    return OpenAIErrorResponse.build(exc.message, exc.status_code, exc.param, exc.code).model_dump()
+
+
 def openai_error_response(exc: ServerError) -> JSONResponse:
     """``exc`` answered in the OpenAI shape, with its own status."""
-    body = OpenAIErrorResponse.build(
-        exc.message,
-        exc.status_code,
-        param=getattr(exc, "param", None),
-        code=getattr(exc, "code", None),
-    )
-    return JSONResponse(status_code=exc.status_code, content=body.model_dump())
-
-
-async def openai_server_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """FastAPI handler for :class:`ServerError` on the OpenAI routes."""
-    assert isinstance(exc, ServerError)
-    if exc.status_code >= 500:
-        logger.error("request failed: %s", exc, exc_info=exc)
-    return openai_error_response(exc)
+    return JSONResponse(status_code=exc.status_code, content=error_content(exc))
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str | None:
@@ -136,17 +124,15 @@ def _describe(error: Any) -> tuple[str, str | None]:
     return f"{param}: {message}", param
 
 
-def validation_error_body(exc: RequestValidationError | ValidationError) -> OpenAIErrorResponse:
-    """A body that failed validation, as a 400 error: every problem in the message, the first
-    one's field path as ``param``."""
+def invalid_body(exc: RequestValidationError | ValidationError) -> InvalidParameter:
+    """A body that failed validation, as a 400: every problem in the message, the first one's
+    field path as ``param``."""
     described = [_describe(error) for error in exc.errors()] or [("invalid request body", None)]
     message = "; ".join(dict.fromkeys(message for message, _ in described))
-    return OpenAIErrorResponse.build(message, HTTPStatus.BAD_REQUEST, param=described[0][1])
+    return InvalidParameter(message, param=described[0][1])
 
 
-async def openai_validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """FastAPI handler for :class:`RequestValidationError` (and pydantic's ``ValidationError``)
-    on the OpenAI routes: a 400 in the OpenAI shape, never a 422."""
-    assert isinstance(exc, RequestValidationError | ValidationError)
-    body = validation_error_body(exc)
-    return JSONResponse(status_code=HTTPStatus.BAD_REQUEST, content=body.model_dump())
+def validation_error_body(exc: RequestValidationError | ValidationError) -> OpenAIErrorResponse:
+    """The body of :func:`invalid_body`'s 400."""
+    error = invalid_body(exc)
+    return OpenAIErrorResponse.build(error.message, error.status_code, param=error.param)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes, mounted on KServe's application under a prefix.
 
-Every failure on these routes is answered in the OpenAI error shape (a route class does it,
-so KServe's own routes keep theirs). With an empty prefix, ``GET /v1/models`` and
+Every failure on these routes is answered in the OpenAI error shape (:mod:`.errors`), which
+the edge chooses for the paths under the prefix (:mod:`huggingfaceserver.edge.http_errors`), so
+KServe's own routes keep theirs. With an empty prefix, ``GET /v1/models`` and
 ``/v1/models/{name}`` would collide with KServe's V1 routes: they then answer one body that
 carries both shapes (KServe's ``models`` / ``name``+``ready`` and OpenAI's ``data`` /
 ``id``+``object``), so both kinds of client read what they expect.
@@ -11,23 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 import sys
 from types import ModuleType
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from ...backends.base import GenerationBackend
-from ...errors import ServerError
-from ..error_routes import ShapedErrorRoute
+from ..error_routes import OwnBodyRoute
 from ..openapi import publish_request_bodies
 from .bodies import JSONBody, to_json
 from .encoder_requests import EmbeddingRequest, RerankRequest
-from .errors import openai_error_response, validation_error_body
 from .models import ServedModels
 from .requests import ChatCompletionRequest, CompletionRequest
 from .responses_api import ResponsesRequest
@@ -40,8 +37,6 @@ from .serving_lora import (
 )
 from .tokenization import DetokenizeRequest, TokenizeRequest, create_detokenize, create_tokenize
 
-PREFIX_ENV = "KSERVE_OPENAI_ROUTE_PREFIX"
-DEFAULT_PREFIX = "/openai"
 R = TypeVar("R", bound=BaseModel)
 SERVING_CHAT = f"{__package__}.serving_chat"
 SERVING_RESPONSES = f"{__package__}.serving_responses"
@@ -57,25 +52,6 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 """The body each POST route parses itself, as /openapi.json documents it."""
-
-
-def route_prefix(environ: dict[str, str] | None = None) -> str:
-    """The prefix from ``KSERVE_OPENAI_ROUTE_PREFIX`` (default ``/openai``; may be empty)."""
-    value = (environ if environ is not None else os.environ).get(PREFIX_ENV, DEFAULT_PREFIX)
-    value = value.strip().rstrip("/")
-    return f"/{value.lstrip('/')}" if value else ""
-
-
-class OpenAIRoute(ShapedErrorRoute):
-    """Renders our errors and validation failures in the OpenAI shape, with their status."""
-
-    @staticmethod
-    def server_error(exc: ServerError) -> Response:
-        return openai_error_response(exc)
-
-    @staticmethod
-    def invalid(exc: ValidationError | RequestValidationError) -> Response:
-        return JSONResponse(status_code=400, content=validation_error_body(exc).model_dump())
 
 
 async def parse(request: Request, model: type[R]) -> R:
@@ -99,7 +75,7 @@ async def serving(name: str = SERVING_CHAT) -> ModuleType:
 
 def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     """The routes; ``kserve_compatible`` merges the model routes with KServe's V1 shapes."""
-    router = APIRouter(route_class=OpenAIRoute)
+    router = APIRouter(route_class=OwnBodyRoute)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -19,7 +19,7 @@ from ...generation.params import ChoiceDelta, SamplingParams
 from ...observability.request_ids import request_id_in
 from .bodies import JSONBody, new_id, now, to_json
 from .chat_reasoning import ReasoningPlan, ThoughtStreams, count_reasoning_tokens, plan_reasoning
-from .errors import InvalidParameter, OpenAIErrorResponse
+from .errors import InvalidParameter, error_content
 from .logprobs import chat_logprobs, completion_logprobs
 from .models import ServedModels, resolve_generation
 from .prompts import prepare_chat, prepare_completion
@@ -256,12 +256,11 @@ async def framed(
             counted = None if reasoning_tokens is None else await reasoning_tokens()
             usage = completion_usage(exchange.prompt_tokens, completion_tokens, counted)
             yield sse(chunk(*ids, usage=usage))
-    except ServerError as exc:
-        yield sse(OpenAIErrorResponse.build(exc.message, exc.status_code).model_dump())
+    except ServerError as exc:  # the body these routes answer it with, as an event
+        yield sse(error_content(exc))
     except Exception as exc:  # the stream has started: report it in-band, never cut it
         log_unexpected(exchange.x_request_id, exc)
-        message = internal_error_message(exchange.x_request_id)
-        yield sse(OpenAIErrorResponse.build(message, 500).model_dump())
+        yield sse(error_content(ServerError(internal_error_message(exchange.x_request_id))))
     yield SSE_DONE
 
 

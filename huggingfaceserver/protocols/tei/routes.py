@@ -4,7 +4,9 @@ ones: ``/embed``, ``/embed_sparse``, ``/embed_all``, ``/predict``, ``/rerank``, 
 (``/embed``, ``/embed_sparse``, ``/rerank`` or ``/predict``), as TEI's does.
 
 Every failure on these routes is answered in TEI's error shape, ``{"error": message,
-"error_type": ...}`` with the server's status (a route class does it, as for the OpenAI routes).
+"error_type": ...}`` with the server's status: :func:`error_content` renders it, the edge
+answers with it on the routes :func:`is_tei_route` names
+(:mod:`huggingfaceserver.edge.http_errors`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from ...backends.base import EncoderBackend
-from ...errors import NotReady, ServerError, describe_validation_error
+from ...errors import NotReady, ServerError
 from ...tasks import Task
-from ..error_routes import ShapedErrorRoute
+from ..error_routes import OwnBodyRoute
 from ..openai.models import ServedModels
 from ..openapi import publish_request_bodies
 from . import serving
@@ -50,8 +51,9 @@ def error_type(status: int) -> str:
     return "Validation"
 
 
-def error_body(status: int, message: str) -> bytes:
-    return orjson.dumps({"error": message, "error_type": error_type(status)})
+def error_content(exc: ServerError) -> dict[str, Any]:
+    """``exc`` in TEI's shape, as JSON content."""
+    return {"error": exc.message, "error_type": error_type(exc.status_code)}
 
 
 def is_tei_route(path: str, method: str | None = None) -> bool:
@@ -61,20 +63,6 @@ def is_tei_route(path: str, method: str | None = None) -> bool:
 
 def json_response(content: Any) -> Response:
     return Response(orjson.dumps(content), media_type="application/json")
-
-
-class TeiRoute(ShapedErrorRoute):
-    """Renders our errors and body validation failures in TEI's shape, with their status."""
-
-    @staticmethod
-    def server_error(exc: ServerError) -> Response:
-        body = error_body(int(exc.status_code), exc.message)
-        return Response(body, int(exc.status_code), media_type="application/json")
-
-    @staticmethod
-    def invalid(exc: ValidationError | RequestValidationError) -> Response:
-        body = error_body(HTTPStatus.BAD_REQUEST, describe_validation_error(exc))
-        return Response(body, HTTPStatus.BAD_REQUEST, media_type="application/json")
 
 
 async def parse(request: Request, model: type[BaseModel]) -> Any:
@@ -92,7 +80,7 @@ ROOT_ROUTES: dict[Task, tuple[type[BaseModel], Serve]] = {
 
 def tei_router(models: ServedModels, ready: Callable[[], Awaitable[bool]]) -> APIRouter:
     """The routes; ``ready``: the server's readiness (``/health`` as ``/v2/health/ready``)."""
-    router = APIRouter(route_class=TeiRoute)
+    router = APIRouter(route_class=OwnBodyRoute)
     handlers: dict[str, Serve] = {
         "/embed": serving.embed,
         "/embed_sparse": serving.embed_sparse,

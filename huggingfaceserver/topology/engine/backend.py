@@ -21,12 +21,12 @@ from ...backends.encoding import Row
 from ...backends.lora import LoraModule, lora_modules
 from ...backends.tokenizing import EncoderFacts, TokenizingEncoder
 from ...cli import ServerConfig
-from ...errors import StartupError
+from ...errors import EngineDied, StartupError
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
 from ...loading import ModelSource, load_tokenizer
-from .client import EngineClient
+from .client import ENGINE_STOPPED, EngineClient
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ class ServedByEngine:
 
     async def watch(self) -> None:
         await self.client.wait_lost()
-        raise StartupError("the engine process stopped")
+        raise EngineDied(ENGINE_STOPPED)
 
     def shutdown(self) -> None:
         self.client.close()

@@ -1,8 +1,8 @@
 """A front's connection to the engine: requests out, their answers routed back by id.
 
 The engine's death shows as the socket's disconnection (ZeroMQ's monitor): every waiting
-request then fails with a 503 and :meth:`EngineClient.wait_lost` returns, so the front stops
-rather than serving half.
+request then fails with :class:`~huggingfaceserver.errors.EngineDied` (a 503) and
+:meth:`EngineClient.wait_lost` returns, so the front stops rather than serving half.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ...backends.encoding import Row
-from ...errors import NotReady, StartupError
+from ...errors import EngineDied, StartupError
 from ...generation.params import ChoiceDelta, SamplingParams
 from .channel import Channel, new_socket
 from .messages import (
@@ -37,6 +37,8 @@ from .messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+ENGINE_STOPPED = "the engine process stopped"
 
 DeltaQueue = asyncio.Queue[list[ChoiceDelta] | BaseException | None]
 """A generation's token deltas, step by step; None once every choice ended."""
@@ -135,7 +137,7 @@ class EngineClient:
 
     def _check_alive(self) -> None:
         if self.lost:
-            raise NotReady("the engine process stopped")
+            raise EngineDied(ENGINE_STOPPED)
 
     def _receive(self, _peer: bytes | None, message: Message) -> None:
         handler = self.handlers.get(type(message))
@@ -190,9 +192,9 @@ class EngineClient:
                 return
 
     def _engine_lost(self) -> None:
-        logger.error("the engine process stopped")
+        logger.error(ENGINE_STOPPED)
         self.lost = True
-        error = NotReady("the engine process stopped")
+        error = EngineDied(ENGINE_STOPPED)
         waiting, self.waiting = self.waiting, {}
         for waiter in waiting.values():
             self._fail(waiter, error)

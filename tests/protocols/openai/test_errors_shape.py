@@ -1,4 +1,6 @@
-"""OpenAI routes answer every failure as ``{"error": {"message", "type", "param", "code"}}``."""
+"""OpenAI routes answer every failure as ``{"error": {"message", "type", "param", "code"}}``: the
+server's own error handlers (:func:`~huggingfaceserver.edge.http_errors.install_error_handlers`),
+on routes of an app that serves the OpenAI routes without a prefix."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from huggingfaceserver.edge.http_errors import install_error_handlers
 from huggingfaceserver.errors import BadRequest, ServerError
 from huggingfaceserver.protocols.openai.errors import (
     InvalidParameter,
@@ -18,8 +20,6 @@ from huggingfaceserver.protocols.openai.errors import (
     context_length_error,
     error_type,
     openai_error_response,
-    openai_server_error_handler,
-    openai_validation_error_handler,
     validation_error_body,
 )
 from huggingfaceserver.protocols.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -35,8 +35,7 @@ def failing_with(status: int) -> ServerError:
 
 def build_app() -> FastAPI:
     app = FastAPI()
-    app.add_exception_handler(ServerError, openai_server_error_handler)
-    app.add_exception_handler(RequestValidationError, openai_validation_error_handler)
+    install_error_handlers(app, openai_prefix="")
 
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest) -> dict:
@@ -50,7 +49,7 @@ def build_app() -> FastAPI:
     async def completions(request: CompletionRequest) -> dict:
         return {"ok": True}
 
-    @app.get("/fail/{status}")
+    @app.get("/v1/fail/{status}")
     async def fail(status: int) -> dict:
         raise failing_with(status)
 
@@ -95,7 +94,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ],
 )
 async def test_error_shape_per_status(client, status, expected_type, code):
-    error = error_of(await client.get(f"/fail/{status}"), status)
+    error = error_of(await client.get(f"/v1/fail/{status}"), status)
     assert error == {
         "message": f"failed with {status}",
         "type": expected_type,
