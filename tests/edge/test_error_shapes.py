@@ -37,8 +37,8 @@ from huggingfaceserver.errors import (
 )
 from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams
 from huggingfaceserver.protocols.error_routes import OwnBodyRoute
-from huggingfaceserver.protocols.openai.serving_chat import Exchange, completion_events
-from huggingfaceserver.protocols.openai.serving_generation import Job
+from huggingfaceserver.protocols.openai.serving_completions import completion_events
+from huggingfaceserver.protocols.openai.serving_generation import GenerationRun, Job
 from tests.harness import REPO
 
 KEY = "sesame"
@@ -212,8 +212,8 @@ class FailingGenerator:
 async def test_a_generation_that_fails_mid_stream_ends_with_the_routes_body(error):
     job = Job([1, 2], "hi", SamplingParams(), 0)
     backend: Any = FailingGenerator(error)
-    exchange = Exchange("cmpl-1", "m", 0, backend, [job], False, False, "r-3")
-    events = [event async for event in completion_events(exchange, echo=False)]
+    run = GenerationRun("cmpl-1", "m", 0, backend, [job], False, False, "r-3")
+    events = [event async for event in completion_events(run, echo=False)]
     assert events[-1] == "data: [DONE]\n\n"
     sent = json.loads(events[-2].removeprefix("data: "))
     shape = ErrorShapes("/openai").shape_for("/openai/v1/completions", "POST")

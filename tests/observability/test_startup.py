@@ -22,10 +22,19 @@ NOT_FOR_ENCODERS = (
     "huggingfaceserver.backends.pytorch.decode_loop",
     "huggingfaceserver.topology.engine.client",
     "huggingfaceserver.protocols.openai.serving_chat",
+    "huggingfaceserver.protocols.openai.serving_completions",
+    "huggingfaceserver.protocols.openai.serving_responses",
     "huggingfaceserver.protocols.openai.responses",
 )
 """Modules that serving an encoder does not need: each costs startup time (vLLM's and the
 openai SDK's seconds) or memory."""
+
+HANDLERS = [
+    "huggingfaceserver.protocols.openai.serving_chat",
+    "huggingfaceserver.protocols.openai.serving_completions",
+    "huggingfaceserver.protocols.openai.serving_responses",
+]
+"""The generation routes' handlers, imported when a generation model's routes are mounted."""
 
 SCRIPT = """
 import json, sys
@@ -35,12 +44,13 @@ def loaded(prefixes):
     return sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in prefixes))
 
 prefixes, encoder, generator = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+HANDLERS = json.loads(sys.argv[4])
 build_app(load_model(["--model_dir", encoder, "--backend", "huggingface"]))
 after_encoder = loaded(prefixes)
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.assembly import build_model
 build_app(build_model(parse_args(["--model_dir", generator, "--backend", "huggingface"])))
-print(json.dumps([after_encoder, loaded(["huggingfaceserver.protocols.openai.serving_chat"])]))
+print(json.dumps([after_encoder, loaded(HANDLERS)]))
 """
 
 
@@ -50,7 +60,7 @@ def imported(tiny_models) -> list[list[str]]:
     routes mounted; then whether a generation model's routes import its handlers."""
     paths = [str(tiny_models["st_cls"]), str(tiny_models["gpt2"])]
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(NOT_FOR_ENCODERS), *paths],
+        [sys.executable, "-c", SCRIPT, json.dumps(NOT_FOR_ENCODERS), *paths, json.dumps(HANDLERS)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -66,7 +76,7 @@ def test_an_encoder_imports_neither_vllm_nor_openai_nor_generation_code(imported
 
 
 def test_a_generation_model_imports_its_handlers_before_serving(imported):
-    assert imported[1] == ["huggingfaceserver.protocols.openai.serving_chat"]
+    assert imported[1] == sorted(HANDLERS)
 
 
 AGE_SCRIPT = """

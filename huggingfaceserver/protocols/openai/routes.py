@@ -39,6 +39,7 @@ from .tokenization import DetokenizeRequest, TokenizeRequest, create_detokenize,
 
 R = TypeVar("R", bound=BaseModel)
 SERVING_CHAT = f"{__package__}.serving_chat"
+SERVING_COMPLETIONS = f"{__package__}.serving_completions"
 SERVING_RESPONSES = f"{__package__}.serving_responses"
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -80,7 +81,7 @@ def openai_router(models: ServedModels, kserve_compatible: bool) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await (await serving()).create_completion(models, body, request)
+        return await (await serving(SERVING_COMPLETIONS)).create_completion(models, body, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -140,7 +141,7 @@ def mount_openai(app: FastAPI, models: ServedModels, prefix: str) -> None:
     its first request."""
     served = models.registry.get_models().values()
     if any(isinstance(getattr(m, "backend", None), GenerationBackend) for m in served):
-        importlib.import_module(SERVING_CHAT)
-        importlib.import_module(SERVING_RESPONSES)
+        for name in (SERVING_COMPLETIONS, SERVING_CHAT, SERVING_RESPONSES):
+            importlib.import_module(name)
     app.include_router(openai_router(models, kserve_compatible=prefix == ""), prefix=prefix)
     publish_request_bodies(app, {prefix + path: body for path, body in BODIES.items()}, "OpenAI")

@@ -1,28 +1,32 @@
-"""``/v1/completions`` and ``/v1/chat/completions`` on any :class:`GenerationBackend`.
+"""What ``/v1/completions`` (:mod:`.serving_completions`), ``/v1/chat/completions``
+(:mod:`.serving_chat`) and the Responses API share, on any :class:`GenerationBackend`.
 
-Requests are validated and converted here, the context limit checked (prompts are made in
-:mod:`.prompts`), and the backend's deltas turned into OpenAI responses or Server-Sent Events.
-Nothing here knows which backend runs.
+Requests become jobs here, the context limit checked (prompts are made in :mod:`.prompts`), the
+backend's deltas are collected or streamed (one SSE framing, :func:`framed`), and a request in
+flight is a :class:`GenerationRun`. Nothing here knows which backend runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...errors import ClientClosedRequest
+from ...errors import ClientClosedRequest, ServerError, internal_error_message, log_unexpected
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
-from .bodies import to_json
-from .errors import InvalidParameter, context_length_error
+from ...observability.request_ids import request_id_in
+from .bodies import JSONBody, new_id, now, to_json
+from .errors import InvalidParameter, context_length_error, error_content
 from .logprobs import TokenLogprobText, json_logprob
+from .responses import completion_usage
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
@@ -257,3 +261,92 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class GenerationRun:
+    """A completion or chat request on its way: who serves it, what to generate, how its
+    answer is identified."""
+
+    request_id: str
+    model: str
+    created: int
+    backend: GenerationBackend
+    jobs: list[Job]
+    include_usage: bool
+    want_logprobs: bool
+    x_request_id: str
+    """The gateway's request id (``request_id`` is the response's own id)."""
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.backend.tokenizer
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(job.prompt_ids) for job in self.jobs)
+
+    @classmethod
+    def start(
+        cls,
+        id_prefix: str,
+        model: str,
+        backend: GenerationBackend,
+        jobs: list[Job],
+        include_usage: bool,
+        raw: Request,
+    ) -> GenerationRun:
+        want_logprobs = jobs[0].params.logprobs is not None
+        return cls(
+            new_id(id_prefix), model, now(), backend, jobs, include_usage, want_logprobs,
+            request_id_in(raw.headers),
+        )  # fmt: skip
+
+    def respond(
+        self, build: Callable[..., BaseModel], choices: list[Any], states: list[ChoiceState]
+    ) -> Response:
+        """The whole (non-streamed) response, with usage counted from the choices' states."""
+        completion_tokens = sum(s.tokens for s in states)
+        response = build(
+            self.request_id, self.model, choices, self.prompt_tokens, completion_tokens,
+            self.created,
+        )  # fmt: skip
+        return JSONBody(to_json(response))
+
+    def job_of(self, index: int) -> Job:
+        n = self.jobs[0].params.n
+        return self.jobs[index // n]
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def framed(
+    run: GenerationRun,
+    choice_for: Callable[[int, ChoiceDelta], BaseModel | None],
+    chunk: Callable[..., BaseModel],
+    reasoning_tokens: Callable[[], Awaitable[int]] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE framing both routes share: a chunk per delta (``chunk`` builds it around the
+    choice ``choice_for`` gives, None to send nothing), the usage chunk when asked for (with
+    the count ``reasoning_tokens`` gives, where given), an error event (not a cut connection)
+    if generation fails, then ``[DONE]``."""
+    ids = (run.request_id, run.model, run.created)
+    completion_tokens = 0
+    try:
+        async for index, delta in generate_all(run.backend, run.jobs):
+            completion_tokens += len(delta.token_ids)
+            choice = choice_for(index, delta)
+            if choice is not None:
+                yield sse(chunk(*ids, choice, include_usage=run.include_usage))
+        if run.include_usage:
+            counted = None if reasoning_tokens is None else await reasoning_tokens()
+            usage = completion_usage(run.prompt_tokens, completion_tokens, counted)
+            yield sse(chunk(*ids, usage=usage))
+    except ServerError as exc:  # the body these routes answer it with, as an event
+        yield sse(error_content(exc))
+    except Exception as exc:  # the stream has started: report it in-band, never cut it
+        log_unexpected(run.x_request_id, exc)
+        yield sse(error_content(ServerError(internal_error_message(run.x_request_id))))
+    yield SSE_DONE
