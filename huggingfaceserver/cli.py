@@ -62,8 +62,8 @@ DEFAULT_MAX_BATCH_SIZE = 16
 EXPORT_MAX_BATCH_SIZE = 8
 """Rows per forward pass on an ONNX export without ``--max_batch_size``: on ONNX Runtime a batch
 padded to its longest row costs more than batching saves (plain ONNX Runtime is fastest at batch
-1 on MiniLM), and at C=32 the server ran 1.28x faster with 8 than with torch's 16 (BENCHMARKS.md,
-Server runtime flags)."""
+1 on MiniLM), and the server is faster with 8 than with torch's 16 (BENCHMARKS.md, Server
+runtime flags)."""
 
 # `vllm serve` engine flags recognised even when vLLM is not installed, so that a manifest
 # written for the vLLM image still starts on the transformers backend (with a warning).
@@ -322,7 +322,7 @@ class ServerConfig:
     max_concurrent_requests: int = option(512, "requests in flight plus queued; beyond it 429")
     """For the whole server; beyond it an immediate 429 with ``Retry-After``. Bounds memory
     under any offered load. 512 as text-embeddings-inference's default: 128 refused half of
-    256 closed-loop clients of a GPU encoder batching 256 (H200, 2026-11-27)."""
+    256 closed-loop clients of a GPU encoder batching 256 (BENCHMARKS.md, GPU figures)."""
     max_request_bytes: int = option(16 * MiB, "largest body; beyond it 413")
     """The 413 comes before the body is parsed."""
     max_inputs_per_request: int = option(1024, "texts or prompts per request")

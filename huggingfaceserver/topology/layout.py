@@ -18,24 +18,16 @@ from ..units import MiB
 MAX_AUTO_API_WORKERS = 8
 """``--api_workers auto`` on a CUDA device: one front per two cores, at most this many."""
 
-# The memory each process takes, for what fits in the pod's memory limit. Measured 2026-11-25
-# on CPU (tiny Llama, --backend huggingface, --api_workers 2, after 40 requests;
-# /proc/<pid>/status VmRSS): each front 166 MiB (it imports neither torch nor the model's
-# code), the engine 524 MiB, the supervising parent 149 MiB (it asks whether there is a CUDA
-# device in a child process, .cuda_probe, and never imports torch). On an H200 node
-# (2026-11-27, bert-base-dims classifier, 8 fronts): each front 219 MiB. Since the fronts are
-# forked from multiprocessing's fork server, which imported their modules (2026-11-27, CPU,
-# the bench classifier, 2 fronts; Pss, which counts shared pages once, as the pod's limit
-# does): the fork server 66 MiB, each front 88 MiB (150 when each imported its own), the
-# supervisor 117 MiB: the fork server fits in what the estimates below leave over.
+# The memory each process takes, for what fits in the pod's memory limit: estimates with headroom
+# over what each process was measured to take (BENCHMARKS.md, "Process memory estimates").
 FRONT_BYTES = 256 * MiB
 """One front process."""
 SUPERVISOR_BYTES = 256 * MiB
 """The process started by the user, which watches the engine and the fronts (and the fork
 server the fronts come from)."""
 ENGINE_RUNTIME_BYTES = 1024 * MiB
-"""The engine besides the model's weights: torch, the tokenizer, the batcher (517 MiB on CPU;
-a CUDA context takes host memory besides)."""
+"""The engine besides the model's weights: torch, the tokenizer, the batcher (a CUDA context
+takes host memory besides)."""
 
 
 def engine_bytes(model_dir: Path) -> int:
