@@ -27,7 +27,16 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed-1
 LLM_DIR ?= .cache/tiny-llama
 BACKEND ?= huggingface
 
-.PHONY: install install-vllm install-clients bytecode run run-llm test test-vllm lint format clean bench \
+# The other Python versions pyproject.toml claims (CI's `make test` runs on $(PYTHON), 3.11):
+# `make smoke-versions` installs the package into a fresh environment of each, lints at that
+# version and serves MiniLM and a tiny Llama from it (.ci/version_smoke.py). The same
+# TORCH_SPEC; where pip finds no CPU build of it for a version, pip's default (CUDA) build.
+SMOKE_PYTHONS ?= $(HOME)/.pyenv/versions/3.12.1/bin/python3 $(HOME)/.pyenv/versions/3.13.0/bin/python3
+# e.g. --keep (leave the environments and logs), --reuse (rerun on a kept environment)
+SMOKE_ARGS ?=
+
+.PHONY: install install-vllm install-clients bytecode run run-llm test test-vllm smoke-versions lint \
+	format clean bench \
 	gpu-wheels image image-gpu
 
 install: $(STAMP)
@@ -85,6 +94,10 @@ run-llm: install
 
 test: install install-vllm install-clients lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+smoke-versions:
+	$(PYTHON) .ci/version_smoke.py --pythons "$(SMOKE_PYTHONS)" --torch-spec "$(TORCH_SPEC)" \
+		--torch-index "$(TORCH_INDEX)" $(SMOKE_ARGS)
 
 # The vLLM tier against another vLLM release: make test-vllm VLLM_VERSION=0.32.0
 test-vllm: install install-vllm

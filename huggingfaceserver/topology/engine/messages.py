@@ -78,7 +78,7 @@ def unpack_rows(message: Encode) -> list[Row]:
     ends = np.cumsum(message.lengths)[:-1]
     parts = {}
     for key, data in message.columns.items():
-        values = np.frombuffer(data, dtype=np.int64)
+        values: np.ndarray = np.frombuffer(data, dtype=np.int64)
         width = message.widths.get(key, 1)
         if width > 1:
             values = values.reshape(-1, width)

@@ -1,0 +1,81 @@
+"""Every Python version pyproject.toml claims is tested: the whole suite on this interpreter
+(``make test``), a smoke on each other one (``make smoke-versions``, ``SMOKE_PYTHONS``), and
+both in CI's ``.ci/run``; the linters target the lowest claimed version."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from tests.deploy.images import make_commands, make_var
+
+REPO = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def claimed_minors() -> list[int]:
+    """The 3.x minors of ``requires-python``, which reads ``>=3.A,<3.B``."""
+    spec = PYPROJECT["project"]["requires-python"].replace(" ", "")
+    low = re.fullmatch(r".*>=3\.(\d+).*", spec)
+    high = re.fullmatch(r".*<3\.(\d+).*", spec)
+    assert low and high, f"requires-python {spec!r} is not >=3.A,<3.B"
+    return list(range(int(low[1]), int(high[1])))
+
+
+def interpreter_minor(path: str) -> int:
+    """The 3.x minor of an interpreter: asked of it, else read from its path (versions/3.12.1/)."""
+    if Path(path).is_file():
+        out = subprocess.run(
+            [path, "-c", "import sys; print(sys.version_info[1])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return int(out.stdout)
+    found = re.search(r"(?:versions/|python)3\.(\d+)", path)
+    assert found, f"SMOKE_PYTHONS names {path}, which is not there and names no version"
+    return int(found[1])
+
+
+def test_every_claimed_version_runs_the_suite_or_the_smoke() -> None:
+    smoked = [interpreter_minor(path) for path in make_var("SMOKE_PYTHONS").split()]
+    suite = sys.version_info[1]  # make test runs the suite on the interpreter running this
+    assert sorted([suite, *smoked]) == claimed_minors(), (
+        f"claimed 3.{claimed_minors()}, suite on 3.{suite}, smoke on 3.{smoked}: "
+        "SMOKE_PYTHONS must name one interpreter per other claimed version"
+    )
+
+
+def test_the_linters_target_the_lowest_claimed_version() -> None:
+    lowest = claimed_minors()[0]
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == f"py3{lowest}"
+    assert PYPROJECT["tool"]["mypy"]["python_version"] == f"3.{lowest}"
+
+
+def test_the_readme_claims_the_same_versions() -> None:
+    minors = claimed_minors()
+    assert f"Python 3.{minors[0]}–3.{minors[-1]}" in (REPO / "README.md").read_text()
+
+
+def test_ci_runs_the_suite_then_the_smoke() -> None:
+    commands = [
+        shlex.split(line)
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert ["make", "test"] in commands and ["make", "smoke-versions"] in commands, commands
+    assert commands.index(["make", "test"]) < commands.index(["make", "smoke-versions"])
+
+
+def test_the_smoke_takes_the_makefile_interpreters_and_torch() -> None:
+    (argv,) = make_commands("smoke-versions")
+    assert argv[1] == ".ci/version_smoke.py", argv
+    options = dict(zip(argv[2::2], argv[3::2], strict=True))
+    assert options["--pythons"] == make_var("SMOKE_PYTHONS")
+    assert options["--torch-spec"] == make_var("TORCH_SPEC")
+    assert options["--torch-index"] == make_var("TORCH_INDEX")
