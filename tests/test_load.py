@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from tiny_models import CORPUS
+
 from .harness import REPO, ServerProcess, descendants, run_server, wait_ready
 from .openai_checks import Reference
-from .tiny_models import CORPUS
 
 pytestmark = pytest.mark.slow
 
