@@ -61,35 +61,32 @@ def test_a_composite_model_s_context_is_its_text_config_s():
     assert context_length(clip) == 77
 
 
-def generator_before(config: PretrainedConfig) -> int | None:
-    """The transformers generator's reading before model_facts (POSITION_LIMIT_ATTRIBUTES)."""
-    names = (
-        "max_position_embeddings",
-        "n_positions",
-        "max_seq_len",
-        "seq_length",
-        "max_sequence_length",
-        "max_seq_length",
-    )
+GENERATOR_NAMES_BEFORE = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+)
+"""The transformers generator's POSITION_LIMIT_ATTRIBUTES before model_facts."""
+VLLM_SIZING_NAMES_BEFORE = (*GENERATOR_NAMES_BEFORE, "seq_len")
+"""vLLM sizing's CONTEXT_KEYS before model_facts: seq_len besides."""
+
+
+def smallest_before(names: tuple[str, ...], config: PretrainedConfig) -> int | None:
+    """The smallest positive limit of ``names`` on the text config, as both old readings did."""
     text = config.get_text_config()
     known = [v for n in names if isinstance(v := getattr(text, n, None), int) and v > 0]
     return min(known) if known else None
+
+
+def generator_before(config: PretrainedConfig) -> int | None:
+    return smallest_before(GENERATOR_NAMES_BEFORE, config)
 
 
 def vllm_sizing_before(config: PretrainedConfig) -> int | None:
-    """vLLM sizing's reading before model_facts (its CONTEXT_KEYS: seq_len besides)."""
-    names = (
-        "max_position_embeddings",
-        "n_positions",
-        "max_seq_len",
-        "seq_length",
-        "max_sequence_length",
-        "max_seq_length",
-        "seq_len",
-    )
-    text = config.get_text_config()
-    known = [v for n in names if isinstance(v := getattr(text, n, None), int) and v > 0]
-    return min(known) if known else None
+    return smallest_before(VLLM_SIZING_NAMES_BEFORE, config)
 
 
 def encoders_before(config: PretrainedConfig) -> int | None:
