@@ -151,13 +151,13 @@ print-%:
 	@echo '$($*)'
 
 lint: install
-	$(BIN)/ruff check huggingfaceserver tests bench tiny_models.py
-	$(BIN)/ruff format --check huggingfaceserver tests bench tiny_models.py
-	$(BIN)/mypy huggingfaceserver
+	$(BIN)/ruff check huggingfaceserver tests bench tiny_models.py .ci
+	$(BIN)/ruff format --check huggingfaceserver tests bench tiny_models.py .ci
+	$(BIN)/mypy huggingfaceserver bench tiny_models.py .ci/version_smoke.py
 
 format: install
-	$(BIN)/ruff check --fix huggingfaceserver tests bench tiny_models.py
-	$(BIN)/ruff format huggingfaceserver tests bench tiny_models.py
+	$(BIN)/ruff check --fix huggingfaceserver tests bench tiny_models.py .ci
+	$(BIN)/ruff format huggingfaceserver tests bench tiny_models.py .ci
 
 clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

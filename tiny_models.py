@@ -18,8 +18,10 @@ import math
 import re
 import string
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import (
@@ -403,8 +405,8 @@ def build_t5(out_dir: str | Path) -> Path:
         num_heads=2,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
     )
+    config.decoder_start_token_id = tokenizer.pad_token_id  # not among T5Config's parameters
     return _save_model(T5ForConditionalGeneration, config, out_dir)
 
 
@@ -434,7 +436,7 @@ def _architecture_config(architecture: str, vocab_size: int, pad_token_id: int):
         "max_position_embeddings": MAX_LENGTH,
     }
     offset_positions = {"max_position_embeddings": MAX_LENGTH + 2}  # positions from pad + 1
-    configs = {
+    configs: dict[str, tuple[str, dict[str, Any]]] = {
         "bert": ("BertConfig", {}),
         "roberta": ("RobertaConfig", {**offset_positions, "type_vocab_size": 1}),
         "xlm-roberta": ("XLMRobertaConfig", {**offset_positions, "type_vocab_size": 1}),
@@ -500,7 +502,7 @@ def build_encoder_architecture(
     return Path(out_dir)
 
 
-BUILDERS = {
+BUILDERS: dict[str, Callable[[str | Path], Path]] = {
     "bert_fill_mask": build_bert_fill_mask,
     "bert_token_classification": build_bert_token_classification,
     "bert_sequence_classification": build_bert_sequence_classification,
@@ -537,5 +539,5 @@ def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, seed: int) -> 
         init_lora_weights=False,
         task_type="CAUSAL_LM",
     )
-    get_peft_model(model, config).save_pretrained(out_dir)
+    get_peft_model(model, config).save_pretrained(str(out_dir))
     return Path(out_dir)

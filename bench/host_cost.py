@@ -58,7 +58,7 @@ from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
 from huggingfaceserver.backends.pytorch.encoder import TransformersEncoder
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.cli import parse_args
-from huggingfaceserver.encoders.params import Output
+from huggingfaceserver.encoder_tasks.params import Output
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.loading import load_source
 from huggingfaceserver.observability.syncs import SyncCounter

@@ -96,7 +96,8 @@ def measure(models: Any, settings: Settings, cache: Path) -> RuntimesOutcome:
     sentences = list(texts.SENTENCES)
     count = settings.raw_texts
     batch_texts = [sentences[i % len(sentences)] for i in range(count)]
-    results, notes = [], []
+    results: list[ModelResult] = []
+    notes: list[str] = []
     for label, path, task in (
         ("all-MiniLM-L6-v2, embeddings", models.minilm, "text_embedding"),
         ("Classifier with MiniLM's dimensions, probabilities", models.classifier, None),

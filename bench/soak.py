@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from huggingfaceserver.units import MiB
+
 from . import server
 from .report import table
 from .soak_requests import (
@@ -73,7 +75,6 @@ FAMILY_COLUMNS = ("server", "RSS MiB start / middle / end", "second half MiB/min
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """Two servers and the load share the cores: one torch thread per server, as an operator
 packing servers onto a node sets it."""
-MiB = 1024 * 1024
 
 
 # --- memory -------------------------------------------------------------------------------

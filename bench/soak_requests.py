@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from huggingfaceserver.units import MiB
+
 from . import texts
 
 MAX_TOKENS = 16
@@ -32,7 +34,6 @@ GENERATION_KINDS = ("OpenAI completions", "OpenAI chat (streamed)")
 GRPC_CLIENT = Path(__file__).resolve().parent.parent / "tests" / "grpc_load_client.py"
 """A subprocess: ``tritonclient.grpc`` cannot be imported beside ``kserve`` (see that file)."""
 JSON = {"content-type": "application/json"}
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)

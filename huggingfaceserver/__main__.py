@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the server; returns the process exit status (2 for bad flags, 1 for startup errors)."""
     from .backends import installed_engine_flag_names
     from .cli import parse_args
-    from .errors import EngineDied, StartupError
+    from .errors import EngineDied, ProcessDied, StartupError
     from .observability.logs import configure_logging, flush_logs
 
     config = parse_args(
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .server import serve
     try:
         serve(config)
-    except (StartupError, EngineDied) as exc:  # one line, exit status 1
+    except (StartupError, EngineDied, ProcessDied) as exc:  # one line, exit status 1
         flush_logs()
         print(f"huggingfaceserver: error: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,12 @@ class StartupError(Exception):
     """A configuration or model problem found before serving: one line, exit status 1."""
 
 
+class ProcessDied(Exception):
+    """A process of the server's layout (the engine or a front, under ``--api_workers N``)
+    exited unasked once the server was serving: a run-time failure, not a startup one, ended
+    as one is (the others stopped, this one line, exit status 1) so that it is restarted."""
+
+
 class ServerError(Exception):
     """A request failure with the HTTP status it should be answered with, and the headers
     that go with it (``Retry-After``, ``WWW-Authenticate``, ``Connection: close``)."""

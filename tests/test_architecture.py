@@ -22,7 +22,7 @@ LAYERS = (
     "assembly",
     "protocols",
     "backends",
-    "encoders",
+    "encoder_tasks",
     "loading",
     "sentence",
     "observability",

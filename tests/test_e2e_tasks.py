@@ -1,5 +1,5 @@
 """Every task through two front processes and an engine: the answers are the ones the
-single-process server gives (itself checked against transformers in tests/encoders and
+single-process server gives (itself checked against transformers in tests/encoder_tasks and
 tests/backends), for V1, V2 and the OpenAI routes."""
 
 from __future__ import annotations

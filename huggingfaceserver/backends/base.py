@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ..encoders import EncoderTask
-from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Instance, Output
+from ..encoder_tasks import EncoderTask
+from ..encoder_tasks.params import DEFAULT_PARAMS, EncodeParams, Instance, Output
 from ..errors import NotFound, NotReady
 from ..generation.checks import check_generation_request
 from ..generation.params import ChoiceDelta, SamplingParams

@@ -29,8 +29,8 @@ from transformers import BatchEncoding
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from ..errors import ServerError
 from ..observability.metrics import EncoderBatchMetrics
-from .encoding import Row
 from .loop_calls import LoopCalls, deferred
+from .row_tokenizer import Row
 from .worker_calls import WorkerCalls
 
 if TYPE_CHECKING:

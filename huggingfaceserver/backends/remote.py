@@ -35,7 +35,7 @@ from ..cli import ServerConfig
 from ..errors import StartupError, UpstreamError, UpstreamTimeout
 from ..loading import ModelSource
 from .batching import BatchLimits, EncodeRequest, collate, plan_batches
-from .encoding import Row
+from .row_tokenizer import Row
 from .tokenizing import TokenizingEncoder, results_by_kind
 
 logger = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
-from ..encoders import EncoderOptions, EncoderTask, encoder_task_class
-from ..encoders.base import to_device
-from ..encoders.params import DEFAULT_PARAMS, EncodeParams, Output
-from ..encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
+from ..encoder_tasks import EncoderOptions, EncoderTask, encoder_task_class
+from ..encoder_tasks.base import to_device
+from ..encoder_tasks.params import DEFAULT_PARAMS, EncodeParams, Output
+from ..encoder_tasks.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError
 from ..loading import ModelSource, load_tokenizer
 from ..model_facts import context_length
@@ -29,7 +29,7 @@ from ..tasks import Task
 from ..units import MiB
 from .base import EncoderBackend, EncoderInputs, ModelInfo, release_weights, unloaded
 from .batching import BatchLimits, EncoderBatcher
-from .encoding import InputEncoder, Row
+from .row_tokenizer import Row, RowTokenizer
 from .truncation import Truncation, asked_truncation
 
 if TYPE_CHECKING:  # the model runs where torch is (a front process has neither)
@@ -194,7 +194,7 @@ class TokenizingEncoder(EncoderBackend):
         )
         if self.task.needs_offsets and not tokenizer.is_fast:
             raise StartupError("--return_offsets_mapping needs a fast (Rust) tokenizer")
-        self.inputs = InputEncoder(
+        self.inputs = RowTokenizer(
             tokenizer,
             self.max_length,
             add_special_tokens=not self.config.disable_special_tokens,

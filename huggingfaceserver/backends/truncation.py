@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-from ..encoders.params import EncodeParams
+from ..encoder_tasks.params import EncodeParams
 from ..errors import BadRequest
 
 if TYPE_CHECKING:

@@ -1,11 +1,15 @@
 """How gRPC answers errors: the status code for our exceptions (by their HTTP status) and for
 KServe's, and for anything else ``INTERNAL`` with the request id and nothing of the cause, whose
 text and traceback go to the log. Client faults are not logged with a traceback (the call's one
-log line has the code), as on HTTP."""
+log line has the code), as on HTTP. The headers an error carries that mean the same to a gRPC
+client (:data:`TRAILERS`: when to retry, how to authenticate) go in the call's trailing
+metadata."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
+from typing import NamedTuple
 
 import grpc
 from kserve.errors import (
@@ -50,21 +54,37 @@ KSERVE_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 """KServe's exceptions, with the codes its own gRPC interceptor gives them."""
 
 
+TRAILERS = ("retry-after", "www-authenticate")
+"""The headers of a :class:`ServerError` that gRPC answers carry too, as trailing metadata
+(``Connection: close`` and the like are HTTP's own)."""
+
+
+class GrpcStatus(NamedTuple):
+    """How a call ends: the arguments of ``ServicerContext.abort``."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: Sequence[tuple[str, str]] = ()
+
+
 def code_for_status(status: int) -> grpc.StatusCode:
     if status in CODE_FOR_STATUS:
         return CODE_FOR_STATUS[status]
     return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
 
 
-def grpc_status(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """The code and message a call that raised ``exc`` ends with (unexpected ones logged)."""
+def grpc_status(exc: Exception, request_id: str) -> GrpcStatus:
+    """How a call that raised ``exc`` ends (unexpected errors logged)."""
     if isinstance(exc, ServerError):
         code = code_for_status(exc.status_code)
         if code is grpc.StatusCode.INTERNAL:
             log_unexpected(request_id, exc)
-        return code, exc.message
+        trailers = [
+            (name.lower(), value) for name, value in exc.headers.items() if name.lower() in TRAILERS
+        ]
+        return GrpcStatus(code, exc.message, tuple(trailers))
     for kind, code in KSERVE_CODES:
         if isinstance(exc, kind):
-            return code, str(getattr(exc, "reason", exc))
+            return GrpcStatus(code, str(getattr(exc, "reason", exc)))
     log_unexpected(request_id, exc)
-    return grpc.StatusCode.INTERNAL, internal_error_message(request_id)
+    return GrpcStatus(grpc.StatusCode.INTERNAL, internal_error_message(request_id))

@@ -1,7 +1,8 @@
 """The gateway's rules for the gRPC port: the API key (``authorization: Bearer <key>``
 metadata), the model repository methods off unless enabled, admission counted with HTTP's, no
 new call while the server drains, and errors answered with their status code. Health methods
-stay open."""
+stay open. Each refusal is the :class:`~huggingfaceserver.errors.ServerError` the HTTP gateway
+raises for the same rule, ended by :func:`.grpc_errors.grpc_status` as every error is."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import grpc
 from grpc import aio
 from grpc.aio import ServerInterceptor
 
+from ..errors import NotFound, NotReady, ServerError, TooManyRequests, Unauthorized, Unimplemented
 from ..observability import request_notes
 from ..observability.request_ids import new_request_id
 from .admission import Admission
-from .gateway import ServerState, bearer_matches
+from .gateway import RETRY_LATER, ServerState, bearer_matches
 from .grpc_errors import grpc_status
 from .http_errors import VERSIONS_NOT_SERVED
 from .repository import DISABLED, REPOSITORY_GRPC_METHODS
@@ -28,9 +30,15 @@ OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 ADMITTED_METHODS = frozenset({"ModelInfer"})
 
 
-def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+UNAUTHENTICATED = Unauthorized(
+    "missing or wrong API key: send the metadata 'authorization: Bearer <key>'",
+    headers={"www-authenticate": "Bearer"},
+)
+
+
+def _refusal(error: ServerError) -> grpc.RpcMethodHandler:
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
+        await context.abort(*grpc_status(error, ""))
 
     return grpc.unary_unary_rpc_method_handler(refuse)
 
@@ -64,14 +72,11 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
         if method in OPEN_METHODS:
             return self.wrapped(await continuation(details), method, admit=False, log=False)
         if not self.authorized(details):
-            return _refusal(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong API key: send the metadata 'authorization: Bearer <key>'",
-            )
+            return _refusal(UNAUTHENTICATED)
         if method in REPOSITORY_GRPC_METHODS and not self.enable_repository:
-            return _refusal(grpc.StatusCode.UNIMPLEMENTED, DISABLED)
+            return _refusal(Unimplemented(DISABLED))
         if self.state.draining:
-            return _refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            return _refusal(NotReady("the server is shutting down"))
         handler = await continuation(details)
         return self.wrapped(handler, method, method in ADMITTED_METHODS, self.log_calls)
 
@@ -102,31 +107,24 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
     ) -> Callable[..., Awaitable[Any]]:
         """``inner`` admitted (when ``admit``), its errors answered with their status code
         (:mod:`.grpc_errors`), and logged (when ``log``) in one line with its request id."""
-        admission = self.admission
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             request_id = getattr(request, "id", "") or new_request_id()
             code = grpc.StatusCode.OK
+            ended: grpc.StatusCode | None = None
             with request_notes.collecting() as notes:
                 try:
-                    if requested_version(request):
-                        code = grpc.StatusCode.NOT_FOUND
-                        await context.abort(code, VERSIONS_NOT_SERVED)
-                    if admit and not admission.try_enter():
-                        code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                        await context.abort(code, admission.refusal())
                     try:
-                        return await inner(request, context)
+                        return await self.answer(inner, request, context, admit)
                     except aio.AbortError:
                         raise
                     except Exception as exc:
-                        await context.abort(*grpc_status(exc, request_id))
-                    finally:
-                        if admit:
-                            admission.leave()
+                        status = grpc_status(exc, request_id)
+                        ended = status.code
+                        await context.abort(*status)
                 except BaseException:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    code = context.code() or ended or grpc.StatusCode.UNKNOWN
                     raise
                 finally:
                     if log:
@@ -141,3 +139,23 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
                         )
 
         return call
+
+    async def answer(
+        self,
+        inner: Callable[..., Awaitable[Any]],
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        admit: bool,
+    ) -> Any:
+        """``inner``'s answer, unless the call names a version (404) or finds no free slot
+        (429, when ``admit``): refusals raised as HTTP's gateway raises them."""
+        if requested_version(request):
+            raise NotFound(VERSIONS_NOT_SERVED)
+        if not admit:
+            return await inner(request, context)
+        if not self.admission.try_enter():
+            raise TooManyRequests(self.admission.refusal(), headers=RETRY_LATER)
+        try:
+            return await inner(request, context)
+        finally:
+            self.admission.leave()

@@ -7,6 +7,12 @@ do: ``hermes`` (Hermes, Qwen 2.5 and later: ``<tool_call>{"name", "arguments"}</
 ``{"name", "arguments"}``, or ``name[ARGS]{...}`` pairs). Text that does not parse as calls
 stays content, as in vLLM.
 
+Where it lives: parsing is about how a model writes (a model's concern, not a protocol's), so it
+sits beside the reasoning parsers, below the protocols, as vLLM keeps ``vllm/tool_parsers`` beside
+``vllm/reasoning`` and outside its OpenAI entrypoint; the CLI checks ``--tool-call-parser`` against
+:data:`TOOL_PARSERS` at parse time, as vLLM's ``cli_args`` checks its registry. The OpenAI shape
+of a call (``tool_calls``, ids, deltas) is made in :mod:`huggingfaceserver.protocols.openai.tools`.
+
 Streaming: content is sent as it comes until the text may be starting a call (a parser's
 marker, or the opening of a call's JSON); from there it is held, and parsed once the choice
 ends, so the deltas add up to exactly the non-streamed message.

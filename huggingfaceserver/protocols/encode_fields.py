@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from ..encoders.params import EncodeParams, side_named
+from ..encoder_tasks.params import EncodeParams, side_named
 from ..errors import BadRequest
 from .error_routes import describe_validation_error
 

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 from kserve.protocol.infer_type import InferRequest, to_http_parameters
 
-from ..encoders.params import EncodeParams, Instance
+from ..encoder_tasks.params import EncodeParams, Instance
 from ..errors import BadRequest
 from .encode_fields import params_from
 from .limits import check_input_count

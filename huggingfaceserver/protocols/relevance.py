@@ -10,7 +10,7 @@ from typing import Any
 
 from ..backends.base import EncoderBackend
 from ..backends.long_inputs import InputTooLong
-from ..encoders.params import EncodeParams
+from ..encoder_tasks.params import EncodeParams
 from ..sentence.similarity import similarities
 from ..tasks import Task
 

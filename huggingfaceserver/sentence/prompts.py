@@ -16,7 +16,7 @@ from .config import SentenceConfig
 
 
 class PromptChoice(Protocol):
-    """A request's prompt choice (:class:`~huggingfaceserver.encoders.params.EncodeParams`)."""
+    """A request's prompt choice (:class:`~huggingfaceserver.encoder_tasks.params.EncodeParams`)."""
 
     @property
     def prompt(self) -> str | None: ...

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..cli import ServerConfig
 from ..edge.admission import FileSlots
 from ..edge.shared_count import SharedCount
-from ..errors import EngineDied, StartupError
+from ..errors import EngineDied, ProcessDied, StartupError
 from ..observability.metrics import shared_across_processes
 from .engine import STOP_SIGNAL
 
@@ -58,7 +58,8 @@ class Wiring:
 
 def run_processes(config: ServerConfig, fronts: int) -> None:
     """Start the engine and ``fronts`` front processes; return when they have all stopped on
-    request; raise :class:`StartupError` when one of them exited unasked."""
+    request; when one of them exited unasked, raise :class:`StartupError` if the server was
+    not yet serving, else :class:`ProcessDied`."""
     from ..edge.listeners import check_port_free
 
     check_port_free(config.server.http_port, "HTTP")
@@ -85,6 +86,8 @@ class ProcessGroup:
         slots = FileSlots.create(str(Path(wiring.run_dir) / "admission"))
         # and the server is ready once every front is: they share one count of ready fronts
         ready = SharedCount.create(str(Path(wiring.run_dir) / "ready"))
+        self.ready_fronts = SharedCount(ready)
+        """Fronts counted once each when first ready: all of them, the server was serving."""
         front_context = multiprocessing.get_context("forkserver")
         front_context.set_forkserver_preload(FRONT_PRELOAD)
         self.fronts = [
@@ -142,8 +145,14 @@ class ProcessGroup:
             for sentinel in ready:
                 child = sentinels.get(sentinel) if isinstance(sentinel, int) else None
                 if child is not None and not self.stop_requested:
-                    raise StartupError(self._exit_report(child))
+                    raise self.exit_error(child)
         logger.info("stopping: fronts drain their requests, then the engine stops")
+
+    def exit_error(self, child: BaseProcess) -> StartupError | ProcessDied:
+        """What ``child``'s unasked exit ends the server with: a startup failure until every
+        front was ready, a run-time one after."""
+        serving = self.ready_fronts.value() >= self.wiring.fronts
+        return (ProcessDied if serving else StartupError)(self._exit_report(child))
 
     def _exit_report(self, child: BaseProcess) -> str:
         """Why ``child`` exited: the engine's own error when it left one (a front that lost

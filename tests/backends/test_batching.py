@@ -16,7 +16,7 @@ from huggingfaceserver.backends.batching import (
     collate,
     plan_batches,
 )
-from huggingfaceserver.backends.encoding import InputEncoder
+from huggingfaceserver.backends.row_tokenizer import RowTokenizer
 from tests.harness import build_app, client_for, load_model
 
 TEXTS = [
@@ -54,7 +54,7 @@ def test_rows_collated_are_the_tokenizers_padded_batch(tiny_models):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_token_classification"])
     batch = tokenizer(TEXTS[:4], padding=True, return_offsets_mapping=True, return_tensors="pt")
-    rows = InputEncoder(tokenizer, 64, offsets=True).texts(TEXTS[:4])
+    rows = RowTokenizer(tokenizer, 64, offsets=True).texts(TEXTS[:4])
     again = collate(rows, {"input_ids": tokenizer.pad_token_id})
     assert set(again) == set(batch)
     for key in batch:

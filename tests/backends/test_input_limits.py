@@ -12,8 +12,8 @@ import pytest
 from tokenizers import AddedToken, pre_tokenizers
 from transformers import AutoTokenizer
 
-from huggingfaceserver.backends.encoding import InputEncoder
 from huggingfaceserver.backends.long_inputs import InputTooLong
+from huggingfaceserver.backends.row_tokenizer import RowTokenizer
 from tiny_models import CORPUS
 
 MAX_LENGTH = 24
@@ -75,11 +75,11 @@ class Recording:
         return getattr(self.tokenizer, name)
 
 
-def recorded(encoder: InputEncoder) -> Recording:
-    recording = Recording(encoder.rust)
-    encoder.rust = recording  # type: ignore[assignment]
-    assert encoder.long is not None
-    encoder.long.tokenizer = recording  # type: ignore[assignment]
+def recorded(row_tokenizer: RowTokenizer) -> Recording:
+    recording = Recording(row_tokenizer.rust)
+    row_tokenizer.rust = recording  # type: ignore[assignment]
+    assert row_tokenizer.long is not None
+    row_tokenizer.long.tokenizer = recording  # type: ignore[assignment]
     return recording
 
 
@@ -123,11 +123,11 @@ def tokenizer(request, tiny_models):
 
 
 def test_long_texts_truncate_as_transformers_truncates_them_whole(tokenizer):
-    encoder = InputEncoder(tokenizer, MAX_LENGTH, offsets=True)
-    assert encoder.long is not None
-    texts = long_texts(encoder.long.first_window(MAX_LENGTH))
-    recording = recorded(encoder)
-    rows = encoder.texts(texts)
+    row_tokenizer = RowTokenizer(tokenizer, MAX_LENGTH, offsets=True)
+    assert row_tokenizer.long is not None
+    texts = long_texts(row_tokenizer.long.first_window(MAX_LENGTH))
+    recording = recorded(row_tokenizer)
+    rows = row_tokenizer.texts(texts)
     reference = tokenizer(
         texts, truncation=True, max_length=MAX_LENGTH, return_offsets_mapping=True
     )
@@ -136,8 +136,8 @@ def test_long_texts_truncate_as_transformers_truncates_them_whole(tokenizer):
 
 
 def test_settled_tokens_are_those_of_the_whole_text_wherever_it_is_cut(tokenizer):
-    encoder = InputEncoder(tokenizer, MAX_LENGTH)
-    long = encoder.long
+    row_tokenizer = RowTokenizer(tokenizer, MAX_LENGTH)
+    long = row_tokenizer.long
     assert long is not None
     rng = random.Random(2)
     text = random_text(rng, 100) + " ".join(PIECES[-20:]) + random_text(rng, 100)
@@ -156,11 +156,11 @@ def test_settled_tokens_are_those_of_the_whole_text_wherever_it_is_cut(tokenizer
 
 @pytest.mark.parametrize("extra", [0, 1, 2, 3, 5, 8])
 def test_windows_that_barely_hold_the_tokens_truncate_as_transformers_does(tokenizer, extra):
-    encoder = InputEncoder(tokenizer, MAX_LENGTH, offsets=True)
-    assert encoder.long is not None
-    encoder.long.first_window = lambda needed: needed + extra  # type: ignore[method-assign]
+    row_tokenizer = RowTokenizer(tokenizer, MAX_LENGTH, offsets=True)
+    assert row_tokenizer.long is not None
+    row_tokenizer.long.first_window = lambda needed: needed + extra  # type: ignore[method-assign]
     texts = long_texts(200, count=6)
-    rows = encoder.texts(texts)
+    rows = row_tokenizer.texts(texts)
     reference = tokenizer(
         texts, truncation=True, max_length=MAX_LENGTH, return_offsets_mapping=True
     )
@@ -169,22 +169,22 @@ def test_windows_that_barely_hold_the_tokens_truncate_as_transformers_does(token
 
 def test_the_real_minilm_tokenizer(minilm_path):
     tokenizer = AutoTokenizer.from_pretrained(minilm_path)
-    encoder = InputEncoder(tokenizer, 512, offsets=True)
-    assert encoder.long is not None
-    texts = long_texts(encoder.long.first_window(512), count=4)
-    rows = encoder.texts(texts)
+    row_tokenizer = RowTokenizer(tokenizer, 512, offsets=True)
+    assert row_tokenizer.long is not None
+    texts = long_texts(row_tokenizer.long.first_window(512), count=4)
+    rows = row_tokenizer.texts(texts)
     reference = tokenizer(texts, truncation=True, max_length=512, return_offsets_mapping=True)
     assert_rows_equal(rows, reference, ["input_ids", "token_type_ids", "offset_mapping"])
 
 
 def test_a_5_mb_text_is_tokenized_in_a_bounded_window(minilm_path):
     tokenizer = AutoTokenizer.from_pretrained(minilm_path)
-    encoder = InputEncoder(tokenizer, 512, offsets=True)
-    assert encoder.long is not None
-    window = encoder.long.first_window(512 - 2 + 1)
+    row_tokenizer = RowTokenizer(tokenizer, 512, offsets=True)
+    assert row_tokenizer.long is not None
+    window = row_tokenizer.long.first_window(512 - 2 + 1)
     text = (" ".join(CORPUS) + " ") * (5_000_000 // len(" ".join(CORPUS)) + 1)
-    recording = recorded(encoder)
-    [row] = encoder.texts([text])
+    recording = recorded(row_tokenizer)
+    [row] = row_tokenizer.texts([text])
     assert max(recording.calls) <= window and sum(recording.calls) <= 2 * window
     # the first 512 tokens of a text are those of its first 50,000 characters (as the test
     # above checks on texts that transformers can tokenize whole in a test's time)
@@ -214,7 +214,7 @@ PAIR_MAX = 33  # 30 tokens for the two texts
 @pytest.mark.parametrize("max_length", [PAIR_MAX, PAIR_MAX + 1], ids=["even", "odd"])
 def test_long_pairs_truncate_as_transformers_truncates_them_whole(tiny_models, max_length):
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_sequence_classification"])
-    encoder = InputEncoder(tokenizer, max_length)
+    encoder = RowTokenizer(tokenizer, max_length)
     assert encoder.long is not None
     window = encoder.long.first_window(max_length)
     documents = [*long_texts(window, count=4), "short document", "a b c d e f g h i j k l m n o"]
@@ -247,7 +247,7 @@ def refusal(exc: pytest.ExceptionInfo[InputTooLong]) -> tuple[str, int, bool]:
 
 @pytest.mark.parametrize("fast", [True, False], ids=["rust", "transformers"])
 def test_without_truncation_an_input_over_the_maximum_is_refused_with_both_lengths(tokenizer, fast):
-    encoder = InputEncoder(tokenizer, MAX_LENGTH, truncate=False)
+    encoder = RowTokenizer(tokenizer, MAX_LENGTH, truncate=False)
     if not fast:
         encoder.rust = encoder.long = None
     text = " ".join(CORPUS[:3])
@@ -264,7 +264,7 @@ def test_without_truncation_an_input_over_the_maximum_is_refused_with_both_lengt
 
 
 def test_without_truncation_a_huge_input_is_refused_unread(tokenizer):
-    encoder = InputEncoder(tokenizer, MAX_LENGTH, truncate=False)
+    encoder = RowTokenizer(tokenizer, MAX_LENGTH, truncate=False)
     recording = recorded(encoder)
     text = " ".join(CORPUS) * 2_000  # about 4 MB
     with pytest.raises(InputTooLong) as exc:
@@ -279,7 +279,7 @@ def test_without_truncation_a_huge_input_is_refused_unread(tokenizer):
 
 def test_without_truncation_pairs_over_the_maximum_are_refused(tiny_models):
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["bert_sequence_classification"])
-    encoder = InputEncoder(tokenizer, MAX_LENGTH, truncate=False)
+    encoder = RowTokenizer(tokenizer, MAX_LENGTH, truncate=False)
     long_document = " ".join(CORPUS[:3])
     tokens = len(tokenizer("the query", long_document)["input_ids"])
     with pytest.raises(InputTooLong) as exc:

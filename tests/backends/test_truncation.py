@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from huggingfaceserver.backends.truncation import Truncation, asked_truncation
-from huggingfaceserver.encoders.params import EncodeParams
+from huggingfaceserver.encoder_tasks.params import EncodeParams
 from huggingfaceserver.errors import BadRequest
 
 SERVER = Truncation(True, "right", 128)

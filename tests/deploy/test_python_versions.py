@@ -79,3 +79,26 @@ def test_the_smoke_takes_the_makefile_interpreters_and_torch() -> None:
     assert options["--pythons"] == make_var("SMOKE_PYTHONS")
     assert options["--torch-spec"] == make_var("TORCH_SPEC")
     assert options["--torch-index"] == make_var("TORCH_INDEX")
+
+
+def python_roots() -> set[str]:
+    """The repository's top-level folders and files that hold tracked Python."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {path.split("/")[0] for path in tracked}
+
+
+def test_the_linters_cover_every_python_root() -> None:
+    """ruff checks and format-checks every tracked Python file; mypy all but the tests."""
+
+    def tool(argv: list[str]) -> str:
+        name = Path(argv[0]).name
+        return f"{name} {argv[1]}" if name == "ruff" else name
+
+    tools = {tool(a): a for a in make_commands("lint") if Path(a[0]).name in ("ruff", "mypy")}
+    assert set(tools) == {"ruff check", "ruff format", "mypy"}, tools
+    for tool, argv in tools.items():
+        covered = {arg.split("/")[0] for arg in argv[1:] if not arg.startswith("-")}
+        wanted = python_roots() - ({"tests"} if tool == "mypy" else set())
+        assert wanted <= covered, f"make lint's {tool} misses {sorted(wanted - covered)}"

@@ -18,10 +18,12 @@ from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from huggingfaceserver.edge.admission import Admission
-from huggingfaceserver.edge.gateway import ServerState
+from huggingfaceserver.edge.gateway import RETRY_LATER, ServerState
+from huggingfaceserver.edge.grpc_errors import TRAILERS
 from huggingfaceserver.edge.grpc_policy import PolicyInterceptor
 from huggingfaceserver.edge.http_errors import VERSIONS_NOT_SERVED
 from huggingfaceserver.edge.repository import DISABLED
+from huggingfaceserver.errors import EngineDied, TooManyRequests
 
 KEY = "sk-grpc-policy"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -116,6 +118,7 @@ async def test_inference_over_the_limit_is_refused_until_a_slot_frees(served):
     error = await refused(infer(served, "second"))
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert error.details() == served.admission.refusal()
+    assert ("retry-after", RETRY_LATER["retry-after"]) in list(error.trailing_metadata())
     served.servicer.hold.set()
     assert (await first).id == "first"
     assert (await infer(served, "third")).id == "third"
@@ -133,7 +136,9 @@ async def test_the_key_is_needed_except_for_health(served):
         timeout=DEADLINE_S,
     )
     for call in (no_key, wrong):
-        assert (await refused(call)).code() is grpc.StatusCode.UNAUTHENTICATED
+        error = await refused(call)
+        assert error.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert ("www-authenticate", "Bearer") in list(error.trailing_metadata())
     assert served.servicer.calls == []
 
 
@@ -147,3 +152,45 @@ async def test_repository_methods_are_off_and_draining_refuses_new_calls(served)
     error = await refused(infer(served, "late"))
     assert error.code() is grpc.StatusCode.UNAVAILABLE
     assert served.servicer.calls == []
+
+
+class Refusing(Servicer):
+    """A servicer whose inference raises what a backend may: a refusal with headers, one with
+    an HTTP-only header, an unexpected error."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def ModelInfer(self, request, context):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "trailers"),
+    [
+        (
+            TooManyRequests("queue full", headers={"Retry-After": "3", "connection": "close"}),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            [("retry-after", "3")],
+        ),
+        (EngineDied("the engine process stopped"), grpc.StatusCode.UNAVAILABLE, []),
+    ],
+)
+async def test_a_servicer_error_ends_the_call_with_its_code_and_grpc_meaningful_headers(
+    error, code, trailers
+):
+    policy = PolicyInterceptor(Admission(1), ServerState(), None, enable_repository=False)
+    server = grpc.aio.server(interceptors=(policy,))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Refusing(error), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answer = await refused(stub.ModelInfer(pb.ModelInferRequest(model_name="m")))
+    finally:
+        await server.stop(None)
+    assert (answer.code(), answer.details()) == (code, str(error))
+    ours = [(k, v) for k, v in answer.trailing_metadata() if k in TRAILERS or k == "connection"]
+    assert ours == trailers

@@ -12,7 +12,7 @@ from kserve.protocol.grpc.grpc_predict_v2_pb2 import InferParameter, ModelInferR
 from kserve.protocol.infer_type import InferRequest
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from huggingfaceserver.encoders.params import EncodeParams
+from huggingfaceserver.encoder_tasks.params import EncodeParams
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.protocols.kserve_inputs import instances_from_v2
 from tests.harness import client_for, load_model

@@ -9,7 +9,7 @@ import torch
 
 from huggingfaceserver.edge.admission import Admission
 from huggingfaceserver.edge.gateway import Gateway, GatewayPolicy, ServerState
-from tests.encoders.test_embedding import reference_embeddings
+from tests.encoder_tasks.test_embedding import reference_embeddings
 from tests.harness import build_app, client_for
 
 LOGGER = "huggingfaceserver.protocols.kserve_model"

@@ -9,6 +9,7 @@ leaves no child behind. Each ending gets a server of its own."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -23,6 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from huggingfaceserver.cli import parse_args
+from huggingfaceserver.errors import ProcessDied, StartupError
+from huggingfaceserver.topology.supervisor import ProcessGroup, Wiring
 from tests.harness import (
     Proc,
     ServerProcess,
@@ -383,6 +387,27 @@ def test_a_dead_child_stops_the_whole_server(death):
     assert last.startswith(ERROR_PREFIX), end.log[-3000:]
     assert victim in last and "SIGKILL" in last, last
     assert end.survivors == []
+
+
+def exit_with(status: int) -> None:
+    raise SystemExit(status)
+
+
+@pytest.mark.parametrize(
+    ("ready_fronts", "error"), [(0, StartupError), (1, StartupError), (2, ProcessDied)]
+)
+def test_a_child_that_exits_is_a_startup_error_until_every_front_was_ready(
+    tmp_path, ready_fronts, error
+):
+    """Before the server served, the exit is a startup failure; after, a run-time one (the
+    same one line either way)."""
+    group = ProcessGroup(parse_args([]), Wiring("ipc://unused", str(tmp_path), fronts=2))
+    group.ready_fronts.add(ready_fronts)
+    child = multiprocessing.get_context("fork").Process(target=exit_with, args=(3,), name="front-1")
+    child.start()
+    failure = group.exit_error(child)
+    assert type(failure) is error
+    assert str(failure) == "the front-1 process exited with status 3"
 
 
 def test_the_supervisors_death_leaves_no_child_behind(tiny_models, tmp_path):

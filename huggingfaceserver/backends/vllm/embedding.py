@@ -12,16 +12,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...cli import ServerConfig
-from ...encoders import EncoderOptions
-from ...encoders.embedding import TextEmbedding
-from ...encoders.params import DEFAULT_PARAMS, EncodeParams, Output
+from ...encoder_tasks import EncoderOptions
+from ...encoder_tasks.embedding import TextEmbedding
+from ...encoder_tasks.params import DEFAULT_PARAMS, EncodeParams, Output
 from ...errors import BadRequest, StartupError
 from ...loading import ModelSource, load_tokenizer
 from ...sentence.config import pooling_modes
 from ...sentence.similarity import unit
 from ...tasks import Task
 from ..base import EncoderBackend, EncoderInputs, ModelInfo
-from ..encoding import InputEncoder
+from ..row_tokenizer import RowTokenizer
 from ..tokenizing import SentenceSettings, check_token_inputs
 from ..truncation import Truncation, asked_truncation
 from . import compat
@@ -61,7 +61,7 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         self.max_length, self.prompts, self.similarity = settings
         options = EncoderOptions.from_config(self.config)
         self.task = TextEmbedding(self.tokenizer, self.source, options)
-        self.encoder = InputEncoder(
+        self.inputs = RowTokenizer(
             self.tokenizer,
             self.max_length,
             add_special_tokens=not self.config.disable_special_tokens,
@@ -75,7 +75,7 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         if inputs and isinstance(inputs[0], str):
             prompt = self.prompts.text(params)
             texts = [prompt + text for text in inputs]  # type: ignore[operator]
-            rows = self.encoder.texts(texts, self.truncation(params))
+            rows = self.inputs.texts(texts, self.truncation(params))
             return [[int(i) for i in row["input_ids"]] for row in rows]
         if params.asks_prompt:
             raise BadRequest("a prompt applies to texts; token ids are used as they are")
@@ -97,7 +97,7 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
 
     def truncation(self, params: EncodeParams) -> Truncation | None:
         """A request's own truncation, to at most the maximum (vLLM's engine takes the ids)."""
-        return asked_truncation(params, self.encoder.default, self.encoder.text_specials)
+        return asked_truncation(params, self.inputs.default, self.inputs.text_specials)
 
     async def _embed(self, ids: list[int]) -> list[float]:
         final: Any = None

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
-from ...encoders.params import Output
+from ...encoder_tasks.params import Output
 from ..encode_fields import TruncatedEncodeFields, TruncationFields
 from .fields import TextOrTokens, split_text_or_tokens
 

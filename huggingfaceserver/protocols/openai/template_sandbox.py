@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ServerError
+from ...units import MiB
 from .template_worker import HEADER, THREAD_VARIABLES, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ MAX_SOURCE_CHARS = 256 * 2**10
 """Length of a request's template (the largest on the Hub are a few tens of KiB)."""
 MAX_OUTPUT_CHARS = 8 * 2**20
 """Characters of a rendered template."""
-MAX_MEMORY_BYTES = 256 * 2**20
+MAX_MEMORY_BYTES = 256 * MiB
 """Address space a render may add to the worker's idle size."""
 CPU_SECONDS = MAX_SECONDS + 2
 """CPU time per render, after which the kernel ends the worker: above the deadline, so that
@@ -53,7 +54,7 @@ the server's kill comes first while the server lives."""
 STARTUP_SECONDS = 60.0
 """Time for a worker to start (Python and transformers imported: about a second)."""
 WORKER_SCRIPT = Path(__file__).with_name("template_worker.py")
-READ_CHUNK = 2**20
+READ_CHUNK = MiB
 
 
 class TemplateLimit(Exception):
@@ -210,7 +211,7 @@ class TemplateWorker:
             how = describe_exit(self.replace())
             raise TemplateLimit(
                 f"rendering the chat template ended its worker process ({how}); the limits "
-                f"are {MAX_SECONDS:g} s and {MAX_MEMORY_BYTES // 2**20} MiB"
+                f"are {MAX_SECONDS:g} s and {MAX_MEMORY_BYTES // MiB} MiB"
             ) from None
         except BaseException:
             self.stop()  # whatever went wrong, the pipe may be out of step: a new worker
@@ -227,7 +228,7 @@ class TemplateWorker:
             self.replace()
             raise TemplateLimit(
                 f"the chat template needs more memory than its limit of "
-                f"{MAX_MEMORY_BYTES // 2**20} MiB"
+                f"{MAX_MEMORY_BYTES // MiB} MiB"
             )
         assert isinstance(reply, dict)
         return reply

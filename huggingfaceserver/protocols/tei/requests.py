@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, Strict, field_validator
 
-from ...encoders.params import Instance
+from ...encoder_tasks.params import Instance
 from ..encode_fields import EncodeFields, TruncationFields
 from ..openai.fields import TokenId
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ... import __version__
 from ...backends.base import EncoderBackend
-from ...encoders.params import EncodeParams, Output
+from ...encoder_tasks.params import EncodeParams, Output
 from ...errors import BadRequest
 from ...sentence.similarity import first_dimensions, unit
 from ...tasks import Task

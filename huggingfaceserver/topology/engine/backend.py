@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
-from ...backends.encoding import Row
 from ...backends.lora import LoraModule, lora_modules
+from ...backends.row_tokenizer import Row
 from ...backends.tokenizing import EncoderFacts, TokenizingEncoder
 from ...cli import ServerConfig
 from ...errors import EngineDied, StartupError

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ...backends.encoding import Row
+from ...backends.row_tokenizer import Row
 from ...errors import EngineDied, StartupError
 from ...generation.params import ChoiceDelta, SamplingParams
 from .channel import Channel, new_socket

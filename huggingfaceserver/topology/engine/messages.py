@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ...backends.encoding import Row
+from ...backends.row_tokenizer import Row
 from ...backends.tokenizing import EncoderFacts
 from ...errors import BadRequest, NotReady, ServerError
 from ...generation.params import ChoiceDelta, SamplingParams

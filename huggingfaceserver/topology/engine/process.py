@@ -25,8 +25,8 @@ from ...backends.pytorch.generator import TransformersGenerator
 from ...backends.pytorch.sequence import SequenceState
 from ...backends.tokenizing import TokenizingEncoder
 from ...cli import ServerConfig
-from ...encoders.base import unsupported_output
-from ...encoders.params import Output
+from ...encoder_tasks.base import unsupported_output
+from ...encoder_tasks.params import Output
 from ...errors import BadRequest, NotReady, ServerError
 from ...generation.params import ChoiceDelta
 from ...loading import freeze_loaded_heap, tokenizer_class_name

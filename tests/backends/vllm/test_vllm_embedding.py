@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.backends.vllm import vllm_env
-from tests.encoders.test_embedding import reference_embeddings
+from tests.encoder_tasks.test_embedding import reference_embeddings
 from tests.harness import REPO, run_server
 
 pytest.importorskip("vllm")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.encoders.test_embedding import reference_embeddings
+from tests.encoder_tasks.test_embedding import reference_embeddings
 from tests.harness import build_app, client_for
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread."]

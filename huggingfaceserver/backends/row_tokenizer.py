@@ -1,4 +1,5 @@
-"""Encoder inputs as rows: per instance, one unpadded int64 array per model input.
+"""Encoder inputs as rows (:class:`RowTokenizer`): per instance, one unpadded int64 array per
+model input.
 
 Texts go straight to the Rust tokenizer (``tokenizers``) when the model's tokenizer is a fast
 one, configured once as transformers configures it per call (truncation to the maximum
@@ -119,7 +120,7 @@ def encodes_alike(
     )
 
 
-class InputEncoder:
+class RowTokenizer:
     """Texts, text pairs or token ids -> :data:`Row` s. Texts are truncated to the maximum
     length, or refused beyond it (``truncate=False``), unless a request asks otherwise
     (:class:`Truncation`); token ids are checked by the caller. With ``pooling_mask`` each row

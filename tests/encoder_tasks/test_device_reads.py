@@ -17,7 +17,7 @@ import pytest
 from transformers import BatchEncoding
 
 from huggingfaceserver.backends.batching import collate
-from huggingfaceserver.encoders.params import Output
+from huggingfaceserver.encoder_tasks.params import Output
 from huggingfaceserver.observability.syncs import SyncCounter
 from huggingfaceserver.protocols.kserve_model import EncoderModel
 from huggingfaceserver.tasks import Task

@@ -12,6 +12,7 @@ from transformers import BatchEncoding
 
 from ..sentence.config import SpladePooling
 from ..tasks import Task
+from ..units import MiB
 from .base import EncoderTask, output_type, pad_rows, tensor_output, to_device
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
@@ -19,7 +20,7 @@ if TYPE_CHECKING:  # the results are made in the process that runs the model
 
 PADDING_INDEX = -1
 """Fills the V2 index tensor past an instance's last term (instances differ in terms)."""
-VOCABULARY_LOGITS_BYTES = 256 * 1024 * 1024
+VOCABULARY_LOGITS_BYTES = 256 * MiB
 """A batch's masked-LM logits (rows x tokens x vocabulary, float32) are kept within this: the
 SPLADE pooling reads every token's logits over the whole vocabulary."""
 

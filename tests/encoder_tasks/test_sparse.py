@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from huggingfaceserver.encoders.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
+from huggingfaceserver.encoder_tasks.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from huggingfaceserver.tasks import Task
 from tests.harness import client_for
 
