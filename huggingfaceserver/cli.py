@@ -175,7 +175,7 @@ class KServeFlags:
 
     http_port: int = kserve_option(8080)
     """HTTP (and the REST routes); with TLS at this default, KServe's HTTPS port instead
-    (:func:`~.edge.serving.http_port`)."""
+    (:func:`~.edge.listeners.http_port`)."""
     grpc_port: int = kserve_option(8081)
     workers: int = kserve_option(1)
     """uvicorn workers: above 1 refused (one process holds the model; ``--api_workers``)."""

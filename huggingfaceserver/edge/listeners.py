@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import ORJSONResponse
 from grpc import aio
+from kserve.constants.constants import DEFAULT_HTTP_PORT, DEFAULT_HTTPS_PORT
 from kserve.errors import (
     InferenceError,
     InvalidInput,
@@ -104,6 +105,14 @@ def http_socket(port: int, shared: bool) -> socket.socket:
         sock.close()
         raise StartupError(f"cannot listen on HTTP port {port}: {exc.strerror}") from None
     return sock
+
+
+def http_port(flags: KServeFlags) -> int:
+    """``--http_port``; KServe's HTTPS port instead of its default HTTP port with TLS."""
+    if flags.ssl_certfile and flags.ssl_keyfile and flags.http_port == DEFAULT_HTTP_PORT:
+        logger.info("SSL enabled, switching listen port to %d", DEFAULT_HTTPS_PORT)
+        return DEFAULT_HTTPS_PORT
+    return flags.http_port
 
 
 def check_port_free(port: int, what: str) -> None:

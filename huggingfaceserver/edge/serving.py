@@ -14,11 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from kserve import logging as kserve_logging
-from kserve.constants.constants import (
-    DEFAULT_HTTP_PORT,
-    DEFAULT_HTTPS_PORT,
-    INFERENCE_CONTENT_LENGTH_HEADER,
-)
+from kserve.constants.constants import INFERENCE_CONTENT_LENGTH_HEADER
 from kserve.context import set_predictor_config
 from kserve.model_repository import ModelRepository
 from kserve.predictor_config import PredictorConfig
@@ -42,6 +38,7 @@ from .listeners import (
     Rules,
     ServingOptions,
     build_app,
+    http_port,
     http_socket,
     install_access_log,
     run_servers,
@@ -170,15 +167,6 @@ def configure_kserve_logging(config: ServerConfig) -> None:
         kserve_logging.configure_logging(config.server.log_config_file)
 
 
-def http_port(config: ServerConfig) -> int:
-    """``--http_port``; KServe's HTTPS port instead of its default HTTP port with TLS."""
-    flags = config.server
-    if flags.ssl_certfile and flags.ssl_keyfile and flags.http_port == DEFAULT_HTTP_PORT:
-        logger.info("SSL enabled, switching listen port to %d", DEFAULT_HTTPS_PORT)
-        return DEFAULT_HTTPS_PORT
-    return flags.http_port
-
-
 def install_gateway(app: FastAPI, config: ServerConfig, rules: Rules) -> None:
     """The request rules around every route (:mod:`.gateway`), and CORS outside them."""
     policy = GatewayPolicy(
@@ -257,7 +245,7 @@ def serve_model(
         header_timeout_s=config.request_read_timeout_seconds,
     )
     install_access_log(app, options.access_log_format)
-    sock = http_socket(http_port(config), shared=shared_port)
+    sock = http_socket(http_port(config.server), shared=shared_port)
     run_servers(Listeners(app, sock, options, dataplane, repository, rules), loader.load())
     if loader.failures:
         raise loader.failures[0]

@@ -60,9 +60,9 @@ def run_processes(config: ServerConfig, fronts: int) -> None:
     """Start the engine and ``fronts`` front processes; return when they have all stopped on
     request; when one of them exited unasked, raise :class:`StartupError` if the server was
     not yet serving, else :class:`ProcessDied`."""
-    from ..edge.listeners import check_port_free
+    from ..edge.listeners import check_port_free, http_port
 
-    check_port_free(config.server.http_port, "HTTP")
+    check_port_free(http_port(config.server), "HTTP")
     if config.server.enable_grpc:
         check_port_free(config.server.grpc_port, "gRPC")
     run_dir = tempfile.mkdtemp(prefix="huggingfaceserver-")

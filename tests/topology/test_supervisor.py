@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -25,8 +26,9 @@ import httpx
 import pytest
 
 from huggingfaceserver.cli import parse_args
+from huggingfaceserver.edge.listeners import HTTP_HOST, http_port
 from huggingfaceserver.errors import ProcessDied, StartupError
-from huggingfaceserver.topology.supervisor import ProcessGroup, Wiring
+from huggingfaceserver.topology.supervisor import ProcessGroup, Wiring, run_processes
 from tests.harness import (
     Proc,
     ServerProcess,
@@ -408,6 +410,21 @@ def test_a_child_that_exits_is_a_startup_error_until_every_front_was_ready(
     failure = group.exit_error(child)
     assert type(failure) is error
     assert str(failure) == "the front-1 process exited with status 3"
+
+
+def test_with_tls_at_the_default_port_the_port_checked_is_the_one_served(tmp_path):
+    """KServe's HTTPS port (8443) replaces the default HTTP port with TLS: held by another
+    program, the server refuses to start before it starts any child."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.touch()
+    key.touch()
+    config = parse_args(["--ssl_certfile", str(cert), "--ssl_keyfile", str(key)])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind((HTTP_HOST, http_port(config.server)))
+        holder.listen()
+        with pytest.raises(StartupError, match="cannot listen on HTTP port 8443"):
+            run_processes(config, fronts=2)
+    assert multiprocessing.active_children() == []
 
 
 def test_the_supervisors_death_leaves_no_child_behind(tiny_models, tmp_path):
