@@ -70,6 +70,9 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 RETRY_AFTER_S = 1
 RETRY_LATER = {"retry-after": str(RETRY_AFTER_S)}
 CLOSE = {"connection": "close"}
+ASK_FOR_KEY = {"www-authenticate": "Bearer"}
+"""The challenge that goes with a refused API key (HTTP header, gRPC trailing metadata)."""
+SHUTTING_DOWN = "the server is shutting down"
 MAX_REQUEST_ID_CHARS = 128
 CLIENT_CLOSED = 499  # nginx's status for a client that left; nobody reads it
 
@@ -258,7 +261,7 @@ class Gateway:
         none to read, or the client left while sending it), then a slot."""
         self.check_key(scope)
         if self.state.draining:
-            raise NotReady("the server is shutting down", headers=CLOSE)
+            raise NotReady(SHUTTING_DOWN, headers=CLOSE)
         if scope["method"] not in BODY_METHODS:
             return None
         body = await self.read_body(scope, receive)
@@ -273,7 +276,7 @@ class Gateway:
         if not bearer_matches(header(scope, b"authorization") or b"", self.key):
             raise Unauthorized(
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                headers={"www-authenticate": "Bearer"},
+                headers=ASK_FOR_KEY,
             )
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:

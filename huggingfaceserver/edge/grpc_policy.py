@@ -19,7 +19,7 @@ from ..errors import NotFound, NotReady, ServerError, TooManyRequests, Unauthori
 from ..observability import request_notes
 from ..observability.request_ids import new_request_id
 from .admission import Admission
-from .gateway import RETRY_LATER, ServerState, bearer_matches
+from .gateway import ASK_FOR_KEY, RETRY_LATER, SHUTTING_DOWN, ServerState, bearer_matches
 from .grpc_errors import grpc_status
 from .http_errors import VERSIONS_NOT_SERVED
 from .repository import DISABLED, REPOSITORY_GRPC_METHODS
@@ -32,7 +32,7 @@ ADMITTED_METHODS = frozenset({"ModelInfer"})
 
 UNAUTHENTICATED = Unauthorized(
     "missing or wrong API key: send the metadata 'authorization: Bearer <key>'",
-    headers={"www-authenticate": "Bearer"},
+    headers=ASK_FOR_KEY,
 )
 
 
@@ -76,7 +76,7 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
         if method in REPOSITORY_GRPC_METHODS and not self.enable_repository:
             return _refusal(Unimplemented(DISABLED))
         if self.state.draining:
-            return _refusal(NotReady("the server is shutting down"))
+            return _refusal(NotReady(SHUTTING_DOWN))
         handler = await continuation(details)
         return self.wrapped(handler, method, method in ADMITTED_METHODS, self.log_calls)
 

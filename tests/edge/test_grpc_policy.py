@@ -155,8 +155,7 @@ async def test_repository_methods_are_off_and_draining_refuses_new_calls(served)
 
 
 class Refusing(Servicer):
-    """A servicer whose inference raises what a backend may: a refusal with headers, one with
-    an HTTP-only header, an unexpected error."""
+    """A servicer whose inference raises the error it is given, as a backend may."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__()
