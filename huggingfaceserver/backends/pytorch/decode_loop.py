@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -44,6 +45,7 @@ from .decode_batch import DecodeBatch
 from .logits import prompt_token_logprobs
 from .sampling import SamplingBatch
 from .sequence import SequenceState, advance
+from .threads import LoopThreads, decode_bucket, prefill_bucket
 
 T = TypeVar("T")
 
@@ -131,6 +133,8 @@ class ContinuousBatcher:
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[Running] = []
         self.calls = WorkerCalls()
+        self.threads = LoopThreads()
+        """torch's threads for each forward (:meth:`TransformersGenerator.tune` sets them)."""
         self.wake = threading.Condition()
         self.closed = False
         self.stopped: ServerError = NotReady("the server is shutting down")
@@ -245,19 +249,26 @@ class ContinuousBatcher:
             if len(requests) == 1:
                 [request] = requests
                 num_top = request.rows[0].params.prompt_logprobs
-                logits, prompt_logits = batch.prefill(
-                    request.prompt_ids,
-                    len(request.rows),
-                    score_prompt=num_top is not None,
-                    adapter=request.adapter,
+                logits, prompt_logits = self.threads.run(
+                    prefill_bucket(len(request.prompt_ids)),
+                    lambda: batch.prefill(
+                        request.prompt_ids,
+                        len(request.rows),
+                        score_prompt=num_top is not None,
+                        adapter=request.adapter,
+                    ),
                 )
                 if prompt_logits is not None and num_top is not None:
                     scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
             else:
-                logits = batch.prefill_together(
-                    [request.prompt_ids for request in requests],
-                    [len(request.rows) for request in requests],
-                    [request.adapter for request in requests],
+                prompts = [request.prompt_ids for request in requests]
+                logits = self.threads.run(
+                    prefill_bucket(len(prompts) * max(map(len, prompts))),  # padded
+                    lambda: batch.prefill_together(
+                        prompts,
+                        [len(request.rows) for request in requests],
+                        [request.adapter for request in requests],
+                    ),
                 )
         except Exception as exc:  # its request fails, not the loop
             if len(requests) == 1:
@@ -323,8 +334,14 @@ class ContinuousBatcher:
                 continue
             take = min(budget, len(prompt) - part.fed)
             try:
-                logits = part.batch.prefill_part(
-                    prompt[part.fed : part.fed + take], part.fed, request.adapter
+                logits = self.threads.run(
+                    prefill_bucket(take),
+                    partial(
+                        part.batch.prefill_part,
+                        prompt[part.fed : part.fed + take],
+                        part.fed,
+                        request.adapter,
+                    ),
                 )
                 part.fed += take
                 budget -= take
@@ -343,7 +360,10 @@ class ContinuousBatcher:
         rows apart (:meth:`_retry_apart`); anything else that fails ends the batch's
         requests."""
         try:
-            logits = group.batch.step(group.inputs())
+            inputs = group.inputs()
+            logits = self.threads.run(
+                decode_bucket(len(group.rows)), lambda: group.batch.step(inputs)
+            )
         except Exception as exc:
             self._retry_apart(group, exc)
             return

@@ -49,7 +49,12 @@ from .decode_loop import ContinuousBatcher, DecodeRequest
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
 from .step_graphs import StepGraphs, cuda_graph
-from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads, most_calibration_forwards
+from .threads import (
+    CALIBRATION_SHAPE,
+    TunedLoopThreads,
+    calibrate_cpu_threads,
+    most_calibration_forwards,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +192,17 @@ class TransformersGenerator(GenerationBackend):
         forward pass. A decoder-only model is timed on what the loop runs most: a decode step
         of a full batch (:data:`CALIBRATION_ROWS` rows at most) over a prompt's cache; a
         prefill-shaped forward, which threads speed up far more, kept 2 threads for a model
-        whose decode steps they did not speed up at all."""
+        whose decode steps they did not speed up at all. That is where the loop starts; while
+        it serves, its decode steps (by rows) and prefills (by prompt tokens) are timed on both
+        counts again now and then (:class:`TunedLoopThreads`)."""
         if self.device.type != "cpu":
             return
-        threads = self.batcher.run_on_loop(
+        decision = self.batcher.run_on_loop(
             lambda: calibrate_cpu_threads(self._calibration_forward())
         )
-        logger.info("intra-op threads: %s", threads)
+        logger.info("intra-op threads: %s", decision)
+        if decision.tuned:
+            self.batcher.threads = TunedLoopThreads(decision)
 
     def _calibration_forward(self) -> Callable[[], object]:
         """The forward pass the thread calibration times (made on the decode thread)."""

@@ -1,15 +1,25 @@
 """torch's intra-op threads on CPU, kept only where they make the model's forward faster:
-timed at load on the thread that runs every forward (OpenMP keeps a team per calling thread)."""
+timed at load on the thread that runs every forward (OpenMP keeps a team per calling thread),
+and for a generation model's decode steps and prefills timed again while it serves
+(:class:`TunedLoopThreads`): whether a second thread pays depends on the forward's size and on
+what else the machine's cores are doing, neither of which a load-time timing sees."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CALIBRATION_SHAPE = (8, 32)
 """Rows and tokens of the batch that times the forward pass at load."""
@@ -77,17 +87,145 @@ def most_calibration_forwards() -> int:
     return 1 + 2 * CALIBRATION_ROUNDS
 
 
-def calibrate_cpu_threads(forward: Callable[[], object]) -> str:
+@dataclass(frozen=True)
+class ThreadDecision:
+    """What the calibration kept: ``threads`` of the ``most`` torch would use; ``tuned`` when
+    it chose (not fixed by ``OMP_NUM_THREADS`` or one core)."""
+
+    threads: int
+    most: int
+    tuned: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.threads} ({self.reason})"
+
+
+def calibrate_cpu_threads(forward: Callable[[], object]) -> ThreadDecision:
     """Keep torch's intra-op threads only where they pay: for a small model they barely speed a
     forward up while their OpenMP workers spin between operations, a core busy for nothing
     that the HTTP side needs. Leaves the setting alone when ``OMP_NUM_THREADS`` is set or there
-    is one core. Returns what was decided, for the log."""
+    is one core."""
     threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" in os.environ or threads < 2:
-        return f"{threads} (OMP_NUM_THREADS or one core)"
+        return ThreadDecision(threads, threads, False, "OMP_NUM_THREADS or one core")
     timings = time_thread_counts(forward, threads)
     timing = f"{timings.one * 1000:.1f} ms on 1 thread, {timings.many * 1000:.1f} ms on {threads}"
     if timings.speedup >= MIN_THREAD_SPEEDUP:
         torch.set_num_threads(threads)
-        return f"{threads} ({timing})"
-    return f"1 ({timing}: more threads would spin for little)"
+        return ThreadDecision(threads, threads, True, timing)
+    return ThreadDecision(1, threads, True, f"{timing}: more threads would spin for little")
+
+
+TIMED_PAIRS = 6
+"""Forwards of a bucket timed on each thread count, alternately, before its choice is made."""
+RETIME_AFTER_S = 20.0
+"""How long a bucket's choice stands before its forwards are timed on both counts again."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Forwards of one kind whose size (rows, tokens) has the same power of two share a choice:
+    1, 2-3, 4-7, 8-15, ..."""
+
+    kind: str
+    unit: str
+    scale: int
+
+    def __str__(self) -> str:
+        low = 1 << (self.scale - 1)
+        return f"{self.kind} of {low}-{2 * low - 1} {self.unit}"
+
+
+def decode_bucket(rows: int) -> Bucket:
+    return Bucket("decode steps", "rows", rows.bit_length())
+
+
+def prefill_bucket(tokens: int) -> Bucket:
+    return Bucket("prefills", "prompt tokens", tokens.bit_length())
+
+
+class LoopThreads:
+    """The decode loop's thread count as the calibration left it, for every forward (on a GPU,
+    or where ``OMP_NUM_THREADS`` fixes it)."""
+
+    def run(self, bucket: Bucket, forward: Callable[[], T]) -> T:
+        return forward()
+
+
+@dataclass
+class BucketTimes:
+    """A bucket's choice, when it is next timed, and the timings of the round under way."""
+
+    threads: int
+    retime_at: float
+    one: list[float] = field(default_factory=list)
+    many: list[float] = field(default_factory=list)
+
+
+class TunedLoopThreads(LoopThreads):
+    """torch's intra-op threads for each forward of the decode loop, chosen by bucket (decode
+    steps by rows, prefills by prompt tokens) while the loop serves, on the decode thread,
+    which runs every forward: every :data:`RETIME_AFTER_S` a bucket's next
+    :data:`TIMED_PAIRS` pairs of forwards run alternately on one thread and on all, and it
+    keeps all only where their median forward is :data:`MIN_THREAD_SPEEDUP` times faster.
+    A second thread pays while another core is free and the forward is large, and costs a
+    spinning core otherwise; on shared cores that changes from one minute to the next
+    (BENCHMARKS.md), which the load-time calibration, made once, cannot follow. Forwards of a
+    bucket back to back have nearly the same shape, and alternating them cancels the drift of
+    the machine's load, as the calibration does."""
+
+    def __init__(
+        self,
+        decision: ThreadDecision,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.perf_counter,
+        retime_after_s: float = RETIME_AFTER_S,
+        pairs: int = TIMED_PAIRS,
+    ) -> None:
+        self.most = decision.most
+        self.initial = decision.threads
+        self.current = decision.threads
+        self.set_threads = set_threads
+        self.clock = clock
+        self.retime_after_s = retime_after_s
+        self.pairs = pairs
+        self.buckets: dict[Bucket, BucketTimes] = {}
+
+    def run(self, bucket: Bucket, forward: Callable[[], T]) -> T:
+        start = self.clock()
+        times = self.buckets.get(bucket)
+        if times is None:
+            times = self.buckets[bucket] = BucketTimes(self.initial, start)
+        timing = start >= times.retime_at
+        if timing:  # alternately: one thread, then all
+            threads = 1 if len(times.one) <= len(times.many) else self.most
+        else:
+            threads = times.threads
+        if threads != self.current:
+            self.set_threads(threads)
+            self.current = threads
+            start = self.clock()
+        result = forward()
+        if timing:
+            (times.one if threads == 1 else times.many).append(self.clock() - start)
+            if len(times.many) >= self.pairs:
+                self.decide(bucket, times)
+        return result
+
+    def decide(self, bucket: Bucket, times: BucketTimes) -> None:
+        one, many = statistics.median(times.one), statistics.median(times.many)
+        chosen = self.most if one >= MIN_THREAD_SPEEDUP * many else 1
+        log = logger.info if chosen != times.threads else logger.debug
+        log(
+            "intra-op threads for %s: %d (%.1f ms on 1 thread, %.1f ms on %d)",
+            bucket,
+            chosen,
+            one * 1000,
+            many * 1000,
+            self.most,
+        )
+        times.threads = chosen
+        times.one.clear()
+        times.many.clear()
+        times.retime_at = self.clock() + self.retime_after_s

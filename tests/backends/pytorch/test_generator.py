@@ -17,6 +17,12 @@ import torch
 from huggingfaceserver.backends.pytorch.generator import (
     model_context_length,
 )
+from huggingfaceserver.backends.pytorch.threads import (
+    LoopThreads,
+    TunedLoopThreads,
+    decode_bucket,
+    prefill_bucket,
+)
 from huggingfaceserver.errors import BadRequest, StartupError
 from huggingfaceserver.generation.params import SamplingParams
 
@@ -290,7 +296,22 @@ async def test_threads_are_calibrated_on_decode_steps(tiny_models, monkeypatch, 
         (choice,) = await run(backend, ids, SamplingParams(temperature=0, max_tokens=6))
         until_eos = reference_greedy(backend, ids, 6)
         assert choice.token_ids[: len(until_eos)] == until_eos
+        # its forwards were timed again while serving (alternating thread counts): same tokens
+        loop_threads = backend.batcher.threads
+        assert isinstance(loop_threads, TunedLoopThreads)
+        assert decode_bucket(1) in loop_threads.buckets
+        assert prefill_bucket(len(ids)) in loop_threads.buckets
     finally:
         backend.batcher.run_on_loop(lambda: torch.set_num_threads(threads))
         torch.set_num_threads(threads)
+        backend.shutdown()
+
+
+def test_threads_set_by_the_environment_stay_as_they_are(tiny_models, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    backend = load(tiny_models["llama"], "--max_batch_size", "4")
+    try:
+        backend.tune()
+        assert type(backend.batcher.threads) is LoopThreads
+    finally:
         backend.shutdown()
