@@ -156,7 +156,7 @@ def generation_section(result: GpuGenerationResult) -> list[str]:
         f"{MAX_TOKENS} new tokens each (checked from the usage chunk), closed loop (aiohttp, "
         f"in the benchmark process), {settings.generation_rounds} request(s) per worker and at "
         f"least {settings.generation_min_requests} per run, {settings.repeats} repeat(s). "
-        f"Prompts of {low}–{high} tokens. TTFT is the first chunk with text.",
+        f"Prompts of {low}–{high} tokens. TTFT is the first token's chunk.",
         "",
         *table(GENERATION_COLUMNS, rows),
         "",

@@ -129,7 +129,7 @@ class Measured:
 
     @property
     def one_token_chunks(self) -> bool:
-        """Whether every stream had one chunk with text per generated token."""
+        """Whether every stream had one chunk per generated token."""
         return all(len(t.chunk_s) == t.usage_tokens for t in self.traces if t.error is None)
 
     def edge_rates(self) -> tuple[float, float]:

@@ -47,7 +47,7 @@ def _chunk_note(result: LongOutputResult) -> str:
     split = [m for m in every if not m.one_token_chunks]
     if not split:
         return (
-            "Every stream had one chunk with text per token (chunks = the usage chunk's "
+            "Every stream had one chunk per token (chunks = the usage chunk's "
             "`completion_tokens` = `max_tokens`): the ITL figures are per token."
         )
     return (
@@ -162,8 +162,8 @@ def section(result: LongOutputResult) -> list[str]:
         f"{alone.tokens:,}; {together.streams} streams of {short_together.tokens} tokens "
         f"({short_together.requests} requests each in turn) and of {together.tokens:,}. "
         "Tokens/s is per stream for one stream, aggregate for several (tokens over the run's "
-        "wall time); TTFT is the first chunk with text (median over the run's streams); ITL "
-        "is the gap between consecutive chunks with text, client-side, all of the run's "
+        "wall time); TTFT is the first token's chunk (median over the run's streams); ITL "
+        "is the gap between consecutive chunks, client-side, all of the run's "
         "streams pooled; server CPU is utime + stime of the server and all its descendant "
         "processes (fronts, engine) from `/proc`, before and after the run, per 1,000 "
         "generated tokens. Figures are medians over rounds; targets use the median of the "

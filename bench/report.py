@@ -218,7 +218,7 @@ def workload_section(result: WorkloadResult) -> list[str]:
             "",
             f"Prompts of {low}–{high} tokens, greedy, exactly {result.raw.new_tokens} new tokens "
             "per request (checked: the model cannot generate EOS, BOS or lone bytes). Latency "
-            "is the whole stream; TTFT is the first chunk with text.",
+            "is the whole stream; TTFT is the first token's chunk.",
         ]
     startups = ", ".join(f"{m.mode.label} {m.startup_s:.0f} s" for m in result.modes)
     lines += ["", f"Server start to ready: {startups}.", ""]

@@ -101,6 +101,14 @@ def completion_body(
     }
 
 
+def is_token_chunk(event: dict[str, Any]) -> bool:
+    """Whether a streamed event carries a token: any chunk with a choice, its text empty or
+    not (a special token left out of the text still makes one, from this server and vLLM's
+    alike; counting only chunks with text made a LoRA adapter that writes BOS look 1 s late).
+    The usage chunk at the end has no choice."""
+    return bool(event.get("choices"))
+
+
 async def _stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> tuple[Sample, int | None]:
@@ -118,7 +126,7 @@ async def _stream(
                 continue
             if "error" in event:
                 return Sample(time.perf_counter() - start, error=str(event["error"])[:200]), None
-            if first is None and any(choice.get("text") for choice in event.get("choices", [])):
+            if first is None and is_token_chunk(event):
                 first = time.perf_counter() - start
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
@@ -134,7 +142,7 @@ def openai_completion_stream(
     extra: dict[str, Any] | None = None,
 ) -> Call:
     """A streamed completion (``POST /openai/v1/completions``, or ``path``: vLLM's own server
-    has it at ``/v1/completions``): latency, time to first text and tokens."""
+    has it at ``/v1/completions``): latency, time to the first token's chunk and tokens."""
     url = f"{base_url}{path}"
 
     async def call(session: aiohttp.ClientSession, index: int) -> Sample:
@@ -152,8 +160,9 @@ def openai_completion_stream(
 
 @dataclass(frozen=True)
 class StreamTrace:
-    """One streamed completion, chunk by chunk: when each chunk with text arrived (seconds
-    from the request), the usage's ``completion_tokens`` and the total time."""
+    """One streamed completion, chunk by chunk: when each chunk with a choice arrived (seconds
+    from the request; :func:`is_token_chunk`), the usage's ``completion_tokens`` and the total
+    time."""
 
     latency_s: float
     chunk_s: tuple[float, ...] = ()
@@ -166,8 +175,8 @@ class StreamTrace:
 
     @property
     def gaps_s(self) -> list[float]:
-        """Seconds between consecutive chunks with text: inter-token latencies when each
-        chunk carries one token."""
+        """Seconds between consecutive chunks: inter-token latencies when each chunk carries
+        one token."""
         return [later - earlier for earlier, later in itertools.pairwise(self.chunk_s)]
 
 
@@ -175,7 +184,7 @@ async def traced_completion_stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 ) -> StreamTrace:
     """``POST url`` (a streamed completion ``body``) with the arrival time of every chunk
-    that carries text; an unexpected answer is a trace with its error."""
+    that carries a choice; an unexpected answer is a trace with its error."""
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens: int | None = None
@@ -190,7 +199,7 @@ async def traced_completion_stream(
             if "error" in event:
                 error = str(event["error"])[:200]
                 return StreamTrace(time.perf_counter() - start, tuple(arrivals), error=error)
-            if any(choice.get("text") for choice in event.get("choices", [])):
+            if is_token_chunk(event):
                 arrivals.append(time.perf_counter() - start)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]

@@ -118,6 +118,10 @@ def chat_events(
     streams: dict[int, ToolStream] = {}
     thoughts = ThoughtStreams(reasoning)
 
+    # Without a parser every token makes a chunk, its content empty or not, as vLLM's server
+    # streams; a parser's held-back tokens make none until it lets text out.
+    plain = reasoning is None and not tools.calls_tools
+
     def choice_for(index: int, delta: ChoiceDelta) -> BaseModel | None:
         thought, text = thoughts.push(index, delta)
         calls = None
@@ -129,14 +133,14 @@ def chat_events(
                 rest, calls = stream.finish()
                 text += rest
                 reason = "tool_calls" if calls else reason
-        if not (text or thought or reason or delta.logprobs):
+        if not (text or thought or reason or delta.logprobs or (plain and delta.token_ids)):
             return None
         first = index not in started
         started.add(index)
         logprobs = None
         if run.want_logprobs:
             logprobs = chat_logprobs(logprob_texts(run.tokenizer, delta.logprobs or []))
-        content = text if (text or (first and not thought)) else None
+        content = text if (text or plain or (first and not thought)) else None
         return chat_stream_choice(
             index, content, reason, logprobs, first=first, tool_calls=calls or None,
             reasoning=thought,

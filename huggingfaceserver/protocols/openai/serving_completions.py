@@ -85,7 +85,10 @@ def completion_choices(
 
 
 def _has_content(delta: ChoiceDelta) -> bool:
-    return bool(delta.text or delta.finish_reason or delta.logprobs)
+    """Whether a delta makes a chunk: any token generated does, its text empty or not (a
+    special token left out, a character's bytes not all in, text held back at a stop string's
+    start), as vLLM's server streams; a client sees the choice advance with each token."""
+    return bool(delta.text or delta.token_ids or delta.finish_reason or delta.logprobs)
 
 
 def completion_events(run: GenerationRun, echo: bool) -> AsyncIterator[str]:

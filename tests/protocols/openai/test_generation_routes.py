@@ -467,6 +467,34 @@ async def test_eos_gives_stop_when_streamed(served, reference, path, field, valu
     assert check_finish_reasons(deltas) == "stop"
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "value"), [(COMPLETIONS, "prompt", PROMPTS[0]), (CHAT, "messages", MESSAGES)]
+)
+async def test_a_token_without_text_still_makes_a_chunk(served, reference, path, field, value):
+    """A special token left out of the text (BOS, forced by logit_bias) is a token generated:
+    each makes a chunk with empty text, as vLLM's server streams without a parser, so a client
+    sees the first token when it comes and each after it, not one chunk at the end."""
+    bos = reference("llama").tokenizer.bos_token_id
+    assert bos is not None
+    request = {
+        field: value,
+        "temperature": 0,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "logit_bias": {str(bos): 100},
+        "stream": True,
+    }
+    chunks = sse_chunks(await post(served("llama"), path, request))
+    (deltas,) = by_choice(chunks).values()
+    if path == COMPLETIONS:
+        texts = [d["text"] for d in deltas]
+    else:
+        texts = [d["delta"]["content"] for d in deltas]
+        assert deltas[0]["delta"]["role"] == "assistant"
+    assert texts == [""] * 4
+    assert check_finish_reasons(deltas) == "length"
+
+
 # --- prompt forms ------------------------------------------------------------------------------
 
 
