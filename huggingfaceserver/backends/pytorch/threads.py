@@ -46,6 +46,14 @@ class ThreadTimings:
     def speedup(self) -> float:
         return self.one / self.many
 
+    @property
+    def pays(self) -> bool:
+        """Whether all threads are worth their spinning: :data:`MIN_THREAD_SPEEDUP` or more."""
+        return self.speedup >= MIN_THREAD_SPEEDUP
+
+    def describe(self, threads: int) -> str:
+        return f"{self.one * 1000:.1f} ms on 1 thread, {self.many * 1000:.1f} ms on {threads}"
+
     def clear(self) -> bool:
         """Whether the decision can no longer change with more rounds."""
         margin = self.speedup / MIN_THREAD_SPEEDUP
@@ -110,8 +118,8 @@ def calibrate_cpu_threads(forward: Callable[[], object]) -> ThreadDecision:
     if "OMP_NUM_THREADS" in os.environ or threads < 2:
         return ThreadDecision(threads, threads, False, "OMP_NUM_THREADS or one core")
     timings = time_thread_counts(forward, threads)
-    timing = f"{timings.one * 1000:.1f} ms on 1 thread, {timings.many * 1000:.1f} ms on {threads}"
-    if timings.speedup >= MIN_THREAD_SPEEDUP:
+    timing = timings.describe(threads)
+    if timings.pays:
         torch.set_num_threads(threads)
         return ThreadDecision(threads, threads, True, timing)
     return ThreadDecision(1, threads, True, f"{timing}: more threads would spin for little")
@@ -214,17 +222,12 @@ class TunedLoopThreads(LoopThreads):
         return result
 
     def decide(self, bucket: Bucket, times: BucketTimes) -> None:
-        one, many = statistics.median(times.one), statistics.median(times.many)
-        chosen = self.most if one >= MIN_THREAD_SPEEDUP * many else 1
-        log = logger.info if chosen != times.threads else logger.debug
-        log(
-            "intra-op threads for %s: %d (%.1f ms on 1 thread, %.1f ms on %d)",
-            bucket,
-            chosen,
-            one * 1000,
-            many * 1000,
-            self.most,
+        medians = ThreadTimings(
+            many=statistics.median(times.many), one=statistics.median(times.one)
         )
+        chosen = self.most if medians.pays else 1
+        log = logger.info if chosen != times.threads else logger.debug
+        log("intra-op threads for %s: %d (%s)", bucket, chosen, medians.describe(self.most))
         times.threads = chosen
         times.one.clear()
         times.many.clear()
