@@ -217,8 +217,11 @@ def workload_section(result: WorkloadResult) -> list[str]:
         lines += [
             "",
             f"Prompts of {low}–{high} tokens, greedy, exactly {result.raw.new_tokens} new tokens "
-            "per request (checked: the model cannot generate EOS, BOS or lone bytes). Latency "
-            "is the whole stream; TTFT is the first token's chunk.",
+            "per request (checked: the model cannot generate EOS, BOS or lone bytes), or on a "
+            "route whose label gives a range, that range's lengths in steps of 16, request by "
+            "request in turn (streams end at different steps, new ones arrive while others "
+            "decode; no target: a run's last, longest streams decode with few rows beside them). "
+            "Latency is the whole stream; TTFT is the first token's chunk.",
         ]
     startups = ", ".join(f"{m.mode.label} {m.startup_s:.0f} s" for m in result.modes)
     lines += ["", f"Server start to ready: {startups}.", ""]

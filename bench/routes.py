@@ -137,20 +137,24 @@ def openai_completion_stream(
     base_url: str,
     model: str,
     prompts: Sequence[str],
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     path: str = "/openai/v1/completions",
     extra: dict[str, Any] | None = None,
 ) -> Call:
     """A streamed completion (``POST /openai/v1/completions``, or ``path``: vLLM's own server
-    has it at ``/v1/completions``): latency, time to the first token's chunk and tokens."""
+    has it at ``/v1/completions``): latency, time to the first token's chunk and tokens.
+    ``max_tokens`` may be several: request ``i`` of a run asks for the ``i``-th, in turn, so
+    that streams end at different steps and new ones arrive while others decode."""
     url = f"{base_url}{path}"
+    lengths = [max_tokens] if isinstance(max_tokens, int) else list(max_tokens)
 
     async def call(session: aiohttp.ClientSession, index: int) -> Sample:
-        body = completion_body(model, prompts[index % len(prompts)], max_tokens, extra)
+        wanted = lengths[index % len(lengths)]
+        body = completion_body(model, prompts[index % len(prompts)], wanted, extra)
         sample, tokens = await _stream(session, url, body)
-        if sample.error is None and tokens != max_tokens:
+        if sample.error is None and tokens != wanted:
             raise TokenCountMismatch(
-                f"asked for {max_tokens} tokens, the server generated {tokens}: the benchmark "
+                f"asked for {wanted} tokens, the server generated {tokens}: the benchmark "
                 "needs every request to generate exactly max_tokens (is EOS reachable?)"
             )
         return sample

@@ -81,7 +81,7 @@ def _generation_targets(result: WorkloadResult, ceiling: GenerationCeiling) -> I
         if runs.mode not in (BATCHING, BATCHING_TWO_FRONTS):
             continue
         layout = "" if runs.mode == BATCHING else f" ({runs.mode.args[-2]} {runs.mode.args[-1]})"
-        for route in result.workload.routes:
+        for route in (r for r in result.workload.routes if r.judged):
             busy = summarize(runs.runs[(route.label, loaded)], tokens=True)
             share = busy.rate.median / raw_rate
             yield Target(

@@ -27,6 +27,8 @@ class Route:
 
     label: str
     make_call: Callable[[str, str], routes.Call]
+    judged: bool = True
+    """Whether the workload's share-of-raw target applies (else reported only)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,15 @@ COMPLETIONS = Route(
     lambda url, name: routes.openai_completion_stream(url, name, texts.prompts(), MAX_TOKENS),
 )
 
+STAGGERED_TOKENS = tuple(range(16, 8 * 16, 16))
+"""``max_tokens`` of a run's requests in turn (16 to 112, 64 on average): streams end at
+different steps, so that requests arrive while others decode (their prompts join decode steps)."""
+COMPLETIONS_STAGGERED = Route(
+    f"OpenAI completions (stream), {STAGGERED_TOKENS[0]}-{STAGGERED_TOKENS[-1]} tokens",
+    lambda url, name: routes.openai_completion_stream(url, name, texts.prompts(), STAGGERED_TOKENS),
+    judged=False,  # a run's last, longest streams decode with few rows beside them
+)
+
 WORKLOADS = (
     Workload(
         key="classifier",
@@ -150,7 +161,7 @@ WORKLOADS = (
         model_dir=lambda models: models.llama,
         task="text_generation",
         server_args=("--backend", "huggingface"),
-        routes=(COMPLETIONS,),
+        routes=(COMPLETIONS, COMPLETIONS_STAGGERED),
         concurrency=(1, 16),
         modes=(BATCHING, BATCHING_TWO_FRONTS, BATCHING_OFF),
     ),

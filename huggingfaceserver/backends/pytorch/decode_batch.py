@@ -33,7 +33,8 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from .adapters import LoraAdapters, row_adapter
-from .kv_cache import ReservedCache, full_attention_layers
+from .kv_cache import MixedColumns, ReservedCache, full_attention_layers
+from .ragged import MIXED, MixedAttention, agree, enable_mixed_steps
 from .step_graphs import StepGraphs
 
 
@@ -116,6 +117,17 @@ class DecodeBatch(ABC):
     def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Feed each row its latest token (``[rows]`` on the device, or a list); the next-token
         logits ``[rows, V]``."""
+
+    mixes = False
+    """Whether :meth:`step_mixing` feeds new prompts in a decode step's forward."""
+
+    def step_mixing(
+        self, tokens: torch.Tensor | Sequence[int], prompts: list[list[int]]
+    ) -> torch.Tensor:
+        """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, each a row
+        joining the batch after its rows: the logits ``[rows + len(prompts), V]``. Only where
+        :attr:`mixes`."""
+        raise NotImplementedError(f"{type(self).__name__}'s decode steps take no prompts")
 
     @abstractmethod
     def keep(self, rows: list[int]) -> None:
@@ -303,11 +315,17 @@ class ReservedCausalLMBatch(CausalLMBatch):
         graphs: StepGraphs | None = None,
         ready_masks: bool = True,
         lora: LoraAdapters | None = None,
+        mixes: bool = False,
     ):
         super().__init__(model, lora)
         self.cache = cache
         if graphs is not None and (not ready_masks or lora is not None):
             raise ValueError("recorded decode steps need ready masks and no LoRA adapters")
+        if mixes and (not ready_masks or lora is not None):
+            raise ValueError("decode steps take prompts with ready masks and no LoRA adapters")
+        self.mixes = mixes
+        """Whether :meth:`step_mixing` feeds prompts in a decode step (decided at load,
+        :func:`~.ragged.enable_mixed_steps`)."""
         self.graphs = graphs
         """Recorded decode steps (chosen at load by :class:`~.generator.TransformersGenerator`)."""
         self.ready_masks = ready_masks
@@ -360,6 +378,51 @@ class ReservedCausalLMBatch(CausalLMBatch):
         self.positions = self.positions + 1
         return logits
 
+    def step_mixing(
+        self, tokens: torch.Tensor | Sequence[int], prompts: list[list[int]]
+    ) -> torch.Tensor:
+        """A decode step that also feeds ``prompts`` (one row each, joining this batch after
+        its rows), in one forward (:mod:`.ragged`; only where :attr:`mixes`): the logits
+        ``[rows + len(prompts), V]``, the running rows' next tokens then each prompt's first.
+        A forward that raises leaves the batch as it was."""
+        if not self.mixes:
+            return super().step_mixing(tokens, prompts)
+        cache = self.cache
+        lengths = tuple(len(prompt) for prompt in prompts)
+        rows = cache.open_rows(lengths)
+        try:
+            cache.reserve(1)
+            column = cache.end
+            mask = cache.step_mask(self.model.dtype)[:rows]
+            fed = self._ids([[token for prompt in prompts for token in prompt]]).view(-1)
+            ids = torch.cat([self._column(tokens).view(-1), fed])
+            positions = torch.cat(
+                [self.positions, *(torch.arange(n, device=self.device) for n in lengths)]
+            )
+            ends = torch.tensor(lengths, device=self.device).cumsum(0) + (rows - 1)
+            keep = torch.cat([torch.arange(rows, device=self.device), ends])
+            attention = MixedAttention(rows, cache.start, column + 1, mask, lengths)
+            with cache.mixing(MixedColumns(rows, column, lengths)):
+                output = self.model(
+                    input_ids=ids[None],
+                    position_ids=positions[None],
+                    attention_mask=mask.new_zeros(1, 1, ids.shape[0], 1),  # taken as given
+                    use_cache=True,
+                    **{self.cache_argument: cache, MIXED: attention},
+                    **({"logits_to_keep": keep} if self.extra else {}),
+                )
+        except BaseException:
+            cache.close_rows(rows)
+            raise
+        if _returned_cache(output) is not cache:
+            cache.close_rows(rows)
+            raise RuntimeError(f"{type(self.model).__name__} replaced the KV cache it was given")
+        cache.advance(1)
+        self.positions = torch.cat([self.positions + 1, torch.tensor(lengths, device=self.device)])
+        self.adapters = self.adapters + [row_adapter(None)] * len(prompts)
+        logits = output.logits[0]
+        return logits if self.extra else logits.index_select(0, keep)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
@@ -400,7 +463,12 @@ class ReservedCausalLMBatch(CausalLMBatch):
 
     def split(self, rows: list[int]) -> DecodeBatch:
         taken = ReservedCausalLMBatch(
-            self.model, self.cache.take_rows(rows), self.graphs, self.ready_masks, self.lora
+            self.model,
+            self.cache.take_rows(rows),
+            self.graphs,
+            self.ready_masks,
+            self.lora,
+            self.mixes,
         )
         taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
         taken.adapters = [self.adapters[row] for row in rows]
@@ -432,6 +500,40 @@ def takes_ready_masks(model: PreTrainedModel, cache_layers: int) -> bool:
     except Exception:  # noqa: BLE001 - a model that refuses it does not take it
         return False
     return bool(torch.allclose(steps[0], steps[1], atol=1e-3, rtol=1e-3))
+
+
+def mixes_prompts(model: PreTrainedModel, cache_layers: int) -> bool:
+    """Whether the model's decode steps can feed new prompts (:mod:`.ragged`), switching its
+    attention to the one that packs them where they can: probed once, at load, on two
+    left-padded rows stepping while a prompt wider than their columns joins, then all three
+    stepping, against the same forwards run apart."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    running, joining = (
+        [[1 % vocab, 2 % vocab, 3 % vocab], [4 % vocab]],
+        [(7 + i) % vocab for i in range(6)],
+    )
+
+    def batch(mixes: bool = False) -> ReservedCausalLMBatch:
+        return ReservedCausalLMBatch(
+            model, ReservedCache(cache_layers, 3, model.device), None, True, None, mixes
+        )
+
+    def plain() -> torch.Tensor:
+        return batch().prefill(joining, 1)[0]
+
+    def mixed() -> bool:
+        apart, alone, packed = batch(), batch(), batch(mixes=True)
+        apart.prefill_together(running, [1, 1])
+        alone_first = alone.prefill(joining, 1)[0]
+        apart_first = apart.step([5 % vocab, 6 % vocab])
+        packed.prefill_together(running, [1, 1])
+        first = packed.step_mixing([5 % vocab, 6 % vocab], [joining])
+        expected = torch.cat([apart_first, alone_first])
+        then = packed.step([8 % vocab, 9 % vocab, 10 % vocab])
+        expected_then = torch.cat([apart.step([8 % vocab, 9 % vocab]), alone.step([10 % vocab])])
+        return agree(first, expected) and agree(then, expected_then)
+
+    return enable_mixed_steps(model, plain, mixed)
 
 
 class Seq2SeqBatch(DecodeBatch):

@@ -193,11 +193,12 @@ class ContinuousBatcher:
             self.calls.run()
             with torch.inference_mode(), deferred():  # loops woken once per step
                 whole = self._begin_in_parts(admitted)
+                joining, whole = self._mixable(whole)
                 for requests in prefill_groups(whole):
                     self._start(requests)
                 self._feed_parts()
                 for group in list(self.running):
-                    self._step(group)
+                    self._step(group, joining if group is self.running[0] else [])
         self._stop()
 
     def _stop(self) -> None:
@@ -320,6 +321,30 @@ class ContinuousBatcher:
             whole.append(request)
         return whole
 
+    def _mixable(
+        self, requests: list[DecodeRequest]
+    ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
+        """The admitted requests whose prompts the first running batch's next decode step
+        feeds (its model allows it; one row each, on the base model, not scored; at most
+        :attr:`part_tokens` prompt tokens in all, first come first served), and the others."""
+        if not (self.running and self.running[0].batch.mixes):
+            return [], requests
+        joining, others = [], []
+        budget = self.part_tokens
+        for request in requests:
+            length = len(request.prompt_ids)
+            if (
+                len(request.rows) == 1
+                and request.adapter is None
+                and request.rows[0].params.prompt_logprobs is None
+                and length <= budget
+            ):
+                joining.append(request)
+                budget -= length
+            else:
+                others.append(request)
+        return joining, others
+
     def _feed_parts(self) -> None:
         """At most :attr:`part_tokens` prompt tokens of the requests fed in parts, first come
         first served; a request whose prompt is all in joins the running batch. A part that
@@ -355,20 +380,42 @@ class ContinuousBatcher:
                 self.prefilling.popleft()
                 self._join([request], part.batch, logits.expand(len(request.rows), -1))
 
-    def _step(self, group: Running) -> None:
-        """One decode step of a batch. A forward that fails is retried with each request's
-        rows apart (:meth:`_retry_apart`); anything else that fails ends the batch's
-        requests."""
+    def _step(self, group: Running, joining: list[DecodeRequest] | None = None) -> None:
+        """One decode step of a batch, feeding the prompts of the ``joining`` requests in the
+        same forward (:meth:`~.decode_batch.DecodeBatch.step_mixing`), whose rows then join
+        the batch. A forward that fails is retried with each request's rows apart
+        (:meth:`_retry_apart`), after the joining requests' prompts ran on their own
+        (:meth:`_start`); anything else that fails ends the batch's requests."""
+        joining = joining or []
         try:
             inputs = group.inputs()
-            logits = self.threads.run(
-                decode_bucket(len(group.rows)), lambda: group.batch.step(inputs)
-            )
+            if joining:
+                prompts = [request.prompt_ids for request in joining]
+                logits = self.threads.run(
+                    prefill_bucket(len(group.rows) + sum(map(len, prompts))),
+                    lambda: group.batch.step_mixing(inputs, prompts),
+                )
+            else:
+                logits = self.threads.run(
+                    decode_bucket(len(group.rows)), lambda: group.batch.step(inputs)
+                )
         except Exception as exc:
-            self._retry_apart(group, exc)
+            if joining:  # as before prompts joined decode steps: each apart, then the step
+                logger.warning(
+                    "a decode step feeding %d prompts failed (%r): running them apart",
+                    len(joining),
+                    exc,
+                )
+                for request in joining:
+                    self._start([request])
+                self._step(group)
+            else:
+                self._retry_apart(group, exc)
             return
+        group.rows += [request.rows[0] for request in joining]
+        group.owners += joining
         try:
-            self._advance(group, logits)
+            self._advance(group, logits, joining=joining)
         except Exception as exc:
             logger.exception("a decode step failed for %d requests", len(set(group.owners)))
             for request in dict.fromkeys(group.owners):
@@ -416,10 +463,12 @@ class ContinuousBatcher:
         logits: torch.Tensor,
         first: bool = False,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
+        joining: list[DecodeRequest] | None = None,
     ) -> None:
         """Choose the rows' next tokens, send each request its deltas (the first ones with
         the prompt's logprobs, when scored), drop the rows that finished or whose request was
-        cancelled."""
+        cancelled. ``first``: every row's first token; ``joining``: the requests whose first
+        tokens these are, the others' rows stepping."""
         deltas: dict[DecodeRequest, list[ChoiceDelta]] = {}
         failed: dict[DecodeRequest, Exception] = {}
         for owner, outcome in zip(
@@ -434,13 +483,12 @@ class ContinuousBatcher:
             deltas.pop(owner, None)
             log_row_failure(error)
             self._end(owner, error)
-        if first:
-            for request in deltas:
-                self.metrics.first_tokens(
-                    request.timeline, len(request.prompt_ids), len(request.rows)
-                )
-        else:
-            self.metrics.step((owner.timeline for owner in deltas), len(group.rows))
+        starting = deltas.keys() if first else [r for r in joining or [] if r in deltas]
+        for request in starting:
+            self.metrics.first_tokens(request.timeline, len(request.prompt_ids), len(request.rows))
+        if not first:
+            stepped = len(group.rows) - len(joining or [])
+            self.metrics.step((o.timeline for o in deltas if o not in starting), stepped)
         for owner, step in deltas.items():
             owner.emit(step)
         live = [

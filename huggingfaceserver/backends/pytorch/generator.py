@@ -43,6 +43,7 @@ from .decode_batch import (
     DecodeBatch,
     ReservedCausalLMBatch,
     Seq2SeqBatch,
+    mixes_prompts,
     takes_ready_masks,
 )
 from .decode_loop import ContinuousBatcher, DecodeRequest
@@ -170,6 +171,12 @@ class TransformersGenerator(GenerationBackend):
                 "builds its own (and waits for the device once), no CUDA graphs",
                 type(model).__name__,
             )
+        self.mixes = (
+            self.ready_masks and self.lora is None and mixes_prompts(model, self.cache_layers)
+        )
+        """Whether decode steps feed new prompts in their forward (:mod:`.ragged`)."""
+        if self.mixes:
+            logger.info("new prompts are fed in the running rows' decode steps")
         graphed = records_steps(
             self.ready_masks, self.device.type, self.config.enforce_eager, self.lora is not None
         )
@@ -284,7 +291,7 @@ class TransformersGenerator(GenerationBackend):
             if self.cache_layers:
                 cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
                 return ReservedCausalLMBatch(
-                    self.model, cache, self.graphs, self.ready_masks, self.lora
+                    self.model, cache, self.graphs, self.ready_masks, self.lora, self.mixes
                 )
             return CausalLMBatch(self.model, self.lora)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)

@@ -14,6 +14,10 @@ Admitting a request writes its rows into free rows of the buffers (:meth:`Reserv
 right-aligned to the last column: the running rows are not copied. Only a prompt longer than the
 columns in use moves them (and a full buffer, when it grows). Rows that finish are dropped by
 moving the kept ones up (:meth:`ReservedCache.select_rows`), once per finish, not per step.
+New prompts may also be fed in a decode step's own forward (:mod:`.ragged`): their rows are
+opened empty (:meth:`ReservedCache.open_rows`) and, while the forward runs
+(:meth:`ReservedCache.mixing`), each layer writes the decode rows' one token at the step's
+column and each prompt's tokens into its own row, ending at that column.
 
 A decode step's attention mask is handed to the model ready-made (:meth:`ReservedCache.step_mask`,
 ``[rows, 1, 1, columns]``, added to the attention scores): transformers then skips building one
@@ -45,6 +49,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
+
+
+@dataclass(frozen=True)
+class MixedColumns:
+    """Where a forward of decode rows and new prompts, packed into one sequence, writes: the
+    first ``decoding`` tokens are the decode rows' (rows ``0..decoding``, at column
+    ``column``), then each prompt's tokens in order, prompt ``i`` in row ``decoding + i``,
+    its last token at ``column``."""
+
+    decoding: int
+    column: int
+    lengths: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,11 @@ class ReservedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
+        mixed = cache.mixed
+        if mixed is not None:  # one packed sequence: scattered to the rows' columns
+            self._write_mixed(mixed, key_states, value_states)
+            self.keys, self.values = self.key_buffer, self.value_buffer
+            return self.keys, self.values
         whole = cache.whole
         if whole is not None:  # the same kernels whatever the step's column
             keys, values = self.key_buffer[: whole.rows], self.value_buffer[: whole.rows]
@@ -121,6 +142,20 @@ class ReservedLayer(CacheLayerMixin):
         self.keys = self.key_buffer[:rows, :, cache.start : stop]
         self.values = self.value_buffer[:rows, :, cache.start : stop]
         return self.keys, self.values
+
+    def _write_mixed(
+        self, mixed: MixedColumns, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """A packed forward's keys and values (``[1, heads, tokens, head_dim]``) into their
+        rows: the decode rows' at the step's column, each prompt's ending there."""
+        column, rows = mixed.column, mixed.decoding
+        for buffer, states in ((self.key_buffer, key_states), (self.value_buffer, value_states)):
+            buffer[:rows, :, column] = states[0, :, :rows].transpose(0, 1)
+            offset = rows
+            for row, length in enumerate(mixed.lengths, start=rows):
+                part = states[0, :, offset : offset + length]
+                buffer[row, :, column + 1 - length : column + 1] = part
+                offset += length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.end - self.cache.start + query_length, 0
@@ -172,6 +207,8 @@ class ReservedCache(Cache):
         ones (a CUDA graph) no longer applies."""
         self.whole: WholeBuffers | None = None
         """Set while a forward runs over the whole buffers (:meth:`writing_at`)."""
+        self.mixed: MixedColumns | None = None
+        """Set while a packed forward of decode rows and prompts runs (:meth:`mixing`)."""
         self.reserved_layers = [ReservedLayer(self) for _ in range(num_layers)]
         """:attr:`layers`, typed as what they are."""
         super().__init__(layers=list(self.reserved_layers))
@@ -233,6 +270,39 @@ class ReservedCache(Cache):
         finally:
             self.whole = None
 
+    def open_rows(self, lengths: Sequence[int]) -> int:
+        """Before a decode step's :meth:`reserve` of its column: a row more per prompt (of
+        ``lengths`` tokens), to be written by the step's own forward (:meth:`mixing`), each
+        prompt's tokens ending at the step's column; the rows before it are padding. The
+        columns in use move left (or the running rows move) only for a prompt wider than
+        them. Returns the rows there were (:meth:`close_rows` takes the new ones back)."""
+        before = self.rows
+        if not self.end > self.start:
+            raise ValueError("rows are opened beside rows that hold tokens")
+        rows = before + len(lengths)
+        self._widen(rows, max(lengths) - 1)  # the widest prompt's columns before the step's
+        self._fit(rows, self.end)
+        self._clear(slice(before, rows), slice(self.start, self.end))
+        for row, length in enumerate(lengths, start=before):
+            self.mask_buffer[row, self.end + 1 - length : self.end] = 1
+        self.rows = rows
+        return before
+
+    def close_rows(self, rows: int) -> None:
+        """Back to the first ``rows`` rows, after a packed forward that failed."""
+        self.rows = rows
+
+    @contextmanager
+    def mixing(self, columns: MixedColumns) -> Iterator[None]:
+        """While in the block, a forward's keys and values are one packed sequence of decode
+        rows' tokens and prompts' (laid out as ``columns`` says), each written to its row.
+        Call :meth:`advance` (one column) after, as for any decode step."""
+        self.mixed = columns
+        try:
+            yield
+        finally:
+            self.mixed = None
+
     def advance(self, tokens: int) -> None:
         """The reserved columns now hold the forward's keys and values."""
         self.end += tokens
@@ -262,6 +332,20 @@ class ReservedCache(Cache):
         self.mask_buffer = mask
         self.start, self.end = move_to, move_to + width
 
+    def _widen(self, rows: int, width: int) -> None:
+        """At least ``width`` columns in use, ending where they end (for ``rows`` rows): the
+        new ones to the left of the current ones, padding (zero) in the rows there are; the
+        rows move right only where the buffers have no room to their left."""
+        held = self.end - self.start
+        if width <= held:
+            return
+        if self.start >= width - held:
+            self._clear(slice(0, self.rows), slice(self.end - width, self.start))
+            self.start = self.end - width
+        else:
+            self._fit(rows, width, move_to=width - held)
+            self.start = 0
+
     def select_rows(self, indices: Sequence[int]) -> None:
         """Keep these rows (by position, maybe repeated), in this order, as rows ``0..``."""
         if list(indices) == list(range(len(indices))):
@@ -287,15 +371,9 @@ class ReservedCache(Cache):
         """Take ``other``'s rows after this cache's own, their tokens ending at the same last
         column; only a prompt wider than the columns in use (or full buffers) moves the rows
         already here."""
-        width, theirs = self.end - self.start, other.end - other.start
+        theirs = other.end - other.start
         rows = self.rows + other.rows
-        if theirs > width:  # more columns in use, to the left of the current ones
-            if self.start >= theirs - width:
-                self._clear(slice(0, self.rows), slice(self.end - theirs, self.start))
-                self.start = self.end - theirs
-            else:
-                self._fit(rows, theirs, move_to=theirs - width)
-                self.start = 0
+        self._widen(rows, theirs)
         self._fit(rows, self.end)
         new_rows = slice(self.rows, rows)
         self._clear(new_rows, slice(self.start, self.end - theirs))

@@ -23,6 +23,7 @@ from huggingfaceserver.backends.pytorch.decode_loop import (
     prefill_groups,
 )
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.sequence import SequenceState
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import NotReady
@@ -117,6 +118,64 @@ async def test_late_requests_join_the_batch_and_greedy_is_unchanged(backends, na
         assert choices[0].token_ids[: len(until_eos)] == until_eos
     assert max(sizes) == len(requests)  # all three decoded in one forward at some point
     assert all(choices[0].finish_reason == "length" for choices in together)
+
+
+@contextmanager
+def packed_prompts(backend: TransformersGenerator) -> Iterator[tuple[list[int], list[int]]]:
+    """The prompt lengths fed in decode steps (packed forwards), and the widths of the
+    forwards that ran a prompt on its own, inside the block."""
+    packed: list[int] = []
+    apart: list[int] = []
+
+    def record(_module, _args, kwargs) -> None:
+        if MIXED in kwargs:
+            packed.extend(kwargs[MIXED].lengths)
+        elif kwargs["input_ids"].shape[1] > 1:
+            apart.append(int(kwargs["input_ids"].shape[1]))
+
+    handle = backend.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield packed, apart
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+async def test_requests_that_arrive_while_others_decode_are_fed_in_their_step(
+    backends, name
+) -> None:
+    backend = backends(name, sharp=name == "gpt2")
+    requests = [(prompt(backend, text), GREEDY) for text in reversed(PROMPTS)]
+    expected = await alone(backend, requests)
+    with slow_forward(backend), packed_prompts(backend) as (packed, apart):
+        together = await staggered(backend, requests)
+    assert tokens(together) == tokens(expected)
+    assert packed == [len(ids) for ids, _ in requests[1:]]
+    assert apart == [len(requests[0][0])]  # only the first, which found nothing running
+
+
+async def test_a_packed_step_that_fails_runs_its_prompts_apart_and_every_request_goes_on(
+    backends, caplog
+) -> None:
+    backend = backends("llama")
+    failed = threading.Event()
+
+    def fail_once_packed(_module, _args, kwargs) -> None:
+        if MIXED in kwargs and not failed.is_set():
+            failed.set()
+            raise RuntimeError("out of memory")
+
+    requests = [(prompt(backend, text), GREEDY) for text in PROMPTS]
+    expected = await alone(backend, requests)
+    hook = backend.model.register_forward_pre_hook(fail_once_packed, with_kwargs=True)
+    try:
+        with slow_forward(backend):
+            together = await staggered(backend, requests)
+    finally:
+        hook.remove()
+    assert failed.is_set()
+    assert "running them apart" in caplog.text
+    assert tokens(together) == tokens(expected)
 
 
 async def test_graphed_decode_steps_give_the_tokens_eager_ones_give(backends) -> None:
