@@ -180,13 +180,15 @@ def generation_rows(result: WorkloadResult, ceiling: GenerationCeiling) -> list[
         [f"raw generate, batch {size}", "–", spread(Spread.of(rates), 0), "–"] + ["–"] * 8
         for size, rates in ceiling.rates.items()
     ]
+    several = len(result.workload.routes) > 1
     for mode in result.modes:
-        for (_, concurrency), runs in mode.runs.items():
+        for (route, concurrency), runs in mode.runs.items():
             summary = summarize(runs, tokens=True)
             raw = ceiling.rates.get(concurrency)
             share = f"{summary.rate.median / statistics.median(raw):.0%}" if raw else ""
+            label = f"server, {mode.mode.label}" + (f"; {route}" if several else "")
             rows.append(
-                [f"server, {mode.mode.label}", str(concurrency), spread(summary.rate, 0), share]
+                [label, str(concurrency), spread(summary.rate, 0), share]
                 + [*map(num, summary.latency_ms), triple(summary.ttft_ms)]
                 + _server_cells(summary)
             )

@@ -4,7 +4,11 @@ Requests wait in a queue. Between two decode steps the loop admits the waiting o
 first served, while the running rows stay within ``max_rows``): the prompts of the requests
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; a request that scores its prompt runs alone), then their rows
-join the running batch. A prompt longer than ``part_tokens`` (``--prefill_chunk_tokens``) is
+join the running batch. Where the running batch's model allows it (:mod:`.ragged`), the
+prompts of requests admitted while it runs (one row each, on the base model, not scored, at
+most ``part_tokens`` prompt tokens a step) are fed in its next decode step's own forward
+instead, their rows joining it there: admitting them costs the running rows no forward of
+their own. A prompt longer than ``part_tokens`` (``--prefill_chunk_tokens``) is
 fed in parts instead, at most that many prompt tokens a turn, the running rows stepping
 between the parts: a long prompt delays the others' next tokens by one part's forward, not by
 its whole prompt's (chunked prefill, as vLLM's).
