@@ -122,11 +122,14 @@ class DecodeBatch(ABC):
     """Whether :meth:`step_mixing` feeds new prompts in a decode step's forward."""
 
     def step_mixing(
-        self, tokens: torch.Tensor | Sequence[int], prompts: list[list[int]]
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        prompts: list[list[int]],
+        copies: list[int] | None = None,
     ) -> torch.Tensor:
-        """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, each a row
-        joining the batch after its rows: the logits ``[rows + len(prompts), V]``. Only where
-        :attr:`mixes`."""
+        """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, prompt
+        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows: the
+        logits ``[rows + sum(copies), V]``. Only where :attr:`mixes`."""
         raise NotImplementedError(f"{type(self).__name__}'s decode steps take no prompts")
 
     @abstractmethod
@@ -379,14 +382,18 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return logits
 
     def step_mixing(
-        self, tokens: torch.Tensor | Sequence[int], prompts: list[list[int]]
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        prompts: list[list[int]],
+        copies: list[int] | None = None,
     ) -> torch.Tensor:
-        """A decode step that also feeds ``prompts`` (one row each, joining this batch after
-        its rows), in one forward (:mod:`.ragged`; only where :attr:`mixes`): the logits
-        ``[rows + len(prompts), V]``, the running rows' next tokens then each prompt's first.
-        A forward that raises leaves the batch as it was."""
+        """A decode step that also feeds ``prompts`` (each run once, in a row of its own, then
+        repeated to ``copies[i]`` rows joining this batch after its rows), in one forward
+        (:mod:`.ragged`; only where :attr:`mixes`): the logits ``[rows + sum(copies), V]``, the
+        running rows' next tokens then each prompt's first, per copy. A forward that raises
+        leaves the batch as it was."""
         if not self.mixes:
-            return super().step_mixing(tokens, prompts)
+            return super().step_mixing(tokens, prompts, copies)
         cache = self.cache
         lengths = tuple(len(prompt) for prompt in prompts)
         rows = cache.open_rows(lengths)
@@ -419,9 +426,19 @@ class ReservedCausalLMBatch(CausalLMBatch):
             raise RuntimeError(f"{type(self.model).__name__} replaced the KV cache it was given")
         cache.advance(1)
         self.positions = torch.cat([self.positions + 1, torch.tensor(lengths, device=self.device)])
-        self.adapters = self.adapters + [row_adapter(None)] * len(prompts)
         logits = output.logits[0]
-        return logits if self.extra else logits.index_select(0, keep)
+        if not self.extra:
+            logits = logits.index_select(0, keep)
+        if copies is not None and any(count != 1 for count in copies):
+            index = list(range(rows)) + [
+                row for row, count in enumerate(copies, start=rows) for _ in range(count)
+            ]
+            cache.select_rows(index)
+            repeat = torch.tensor(index, device=self.device)
+            self.positions = self.positions.index_select(0, repeat)
+            logits = logits.index_select(0, repeat)
+        self.adapters = self.adapters + [row_adapter(None)] * (cache.rows - rows)
+        return logits
 
     @property
     def dtype(self) -> torch.dtype:

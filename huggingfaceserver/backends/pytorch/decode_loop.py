@@ -5,8 +5,8 @@ first served, while the running rows stay within ``max_rows``): the prompts of t
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; a request that scores its prompt runs alone), then their rows
 join the running batch. Where the running batch's model allows it (:mod:`.ragged`), the
-prompts of requests admitted while it runs (one row each, on the base model, not scored, at
-most ``part_tokens`` prompt tokens a step) are fed in its next decode step's own forward
+prompts of requests admitted while it runs (on the base model, not scored, at most
+``part_tokens`` prompt tokens a step) are fed in its next decode step's own forward
 instead, their rows joining it there: admitting them costs the running rows no forward of
 their own. A prompt longer than ``part_tokens`` (``--prefill_chunk_tokens``) is
 fed in parts instead, at most that many prompt tokens a turn, the running rows stepping
@@ -329,7 +329,7 @@ class ContinuousBatcher:
         self, requests: list[DecodeRequest]
     ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
         """The admitted requests whose prompts the first running batch's next decode step
-        feeds (its model allows it; one row each, on the base model, not scored; at most
+        feeds (its model allows it; on the base model, not scored; at most
         :attr:`part_tokens` prompt tokens in all, first come first served), and the others."""
         if not (self.running and self.running[0].batch.mixes):
             return [], requests
@@ -338,8 +338,7 @@ class ContinuousBatcher:
         for request in requests:
             length = len(request.prompt_ids)
             if (
-                len(request.rows) == 1
-                and request.adapter is None
+                request.adapter is None
                 and request.rows[0].params.prompt_logprobs is None
                 and length <= budget
             ):
@@ -395,9 +394,10 @@ class ContinuousBatcher:
             inputs = group.inputs()
             if joining:
                 prompts = [request.prompt_ids for request in joining]
+                copies = [len(request.rows) for request in joining]
                 logits = self.threads.run(
                     prefill_bucket(len(group.rows) + sum(map(len, prompts))),
-                    lambda: group.batch.step_mixing(inputs, prompts),
+                    lambda: group.batch.step_mixing(inputs, prompts, copies),
                 )
             else:
                 logits = self.threads.run(
@@ -416,8 +416,8 @@ class ContinuousBatcher:
             else:
                 self._retry_apart(group, exc)
             return
-        group.rows += [request.rows[0] for request in joining]
-        group.owners += joining
+        group.rows += [row for request in joining for row in request.rows]
+        group.owners += [request for request in joining for _ in request.rows]
         try:
             self._advance(group, logits, joining=joining)
         except Exception as exc:
@@ -491,7 +491,7 @@ class ContinuousBatcher:
         for request in starting:
             self.metrics.first_tokens(request.timeline, len(request.prompt_ids), len(request.rows))
         if not first:
-            stepped = len(group.rows) - len(joining or [])
+            stepped = len(group.rows) - sum(len(request.rows) for request in joining or [])
             self.metrics.step((o.timeline for o in deltas if o not in starting), stepped)
         for owner, step in deltas.items():
             owner.emit(step)

@@ -154,6 +154,23 @@ async def test_requests_that_arrive_while_others_decode_are_fed_in_their_step(
     assert apart == [len(requests[0][0])]  # only the first, which found nothing running
 
 
+async def test_a_request_for_several_choices_is_fed_in_a_step_and_keeps_its_seeds(
+    backends,
+) -> None:
+    """Its prompt runs once, its rows are copies of it; each seeded choice samples what it
+    samples alone."""
+    backend = backends("llama")
+    sampled = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, n=3, seed=11)
+    requests = [(prompt(backend, PROMPTS[2]), GREEDY), (prompt(backend, PROMPTS[1]), sampled)]
+    expected = await alone(backend, requests)
+    with slow_forward(backend), packed_prompts(backend) as (packed, apart):
+        together = await staggered(backend, requests)
+    assert tokens(together) == tokens(expected)
+    assert len({tuple(ids) for ids in tokens(together)[1]}) > 1  # the choices differ
+    assert packed == [len(requests[1][0])]
+    assert apart == [len(requests[0][0])]
+
+
 async def test_a_packed_step_that_fails_runs_its_prompts_apart_and_every_request_goes_on(
     backends, caplog
 ) -> None:

@@ -16,7 +16,7 @@ from huggingfaceserver.backends.pytorch.decode_batch import (
 from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 from huggingfaceserver.backends.pytorch.ragged import FALLBACKS, RAGGED, enable_mixed_steps
 
-from .generation_helpers import PROMPTS, prompt
+from .generation_helpers import PROMPTS, forward_shapes, prompt
 
 STEPS = 3
 
@@ -76,6 +76,26 @@ def test_a_packed_step_gives_what_the_separate_forwards_give(backends, name, wid
     joining = [long[: widest + 5] if wide else long[:2], prompt(backend, PROMPTS[0])[:1]]
     assert (len(joining[0]) > widest + 1) == wide
     packed_against_apart(backend.new_batch, backend.vocab_size, running, joining)
+
+
+def test_a_prompt_for_several_rows_runs_once_and_its_rows_step_as_apart(backends) -> None:
+    backend = backends("llama")
+    running, joining = [prompt(backend, PROMPTS[0])], prompt(backend, PROMPTS[2])
+    after = columns(backend.vocab_size, 3, STEPS, 4)
+    with torch.inference_mode():
+        apart, alone = backend.new_batch(), backend.new_batch()
+        apart.prefill(running[0], 1)
+        expected = [torch.cat([apart.step([7]), alone.prefill(joining, 2)[0]])]
+        for column in after:
+            expected.append(torch.cat([apart.step(column[:1]), alone.step(column[1:])]))
+        packed = backend.new_batch()
+        packed.prefill(running[0], 1)
+        with forward_shapes(backend) as shapes:
+            got = [packed.step_mixing([7], [joining], [2])]
+        assert shapes == [(1, 1 + len(joining))]  # the prompt ran once
+        got += [packed.step(column) for column in after]
+    for step, want in zip(got, expected, strict=True):
+        close(step, want)
 
 
 SMALL = {
