@@ -408,8 +408,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
             )
             ends = torch.tensor(lengths, device=self.device).cumsum(0) + (rows - 1)
             keep = torch.cat([torch.arange(rows, device=self.device), ends])
-            attention = MixedAttention(rows, cache.start, column + 1, mask, lengths)
-            with cache.mixing(MixedColumns(rows, column, lengths)):
+            layout = MixedColumns(rows, column, lengths)
+            attention = MixedAttention(layout, cache.start, mask)
+            with cache.mixing(layout):
                 output = self.model(
                     input_ids=ids[None],
                     position_ids=positions[None],

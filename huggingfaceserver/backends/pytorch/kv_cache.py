@@ -277,7 +277,7 @@ class ReservedCache(Cache):
         columns in use move left (or the running rows move) only for a prompt wider than
         them. Returns the rows there were (:meth:`close_rows` takes the new ones back)."""
         before = self.rows
-        if not self.end > self.start:
+        if self.end <= self.start:
             raise ValueError("rows are opened beside rows that hold tokens")
         rows = before + len(lengths)
         self._widen(rows, max(lengths) - 1)  # the widest prompt's columns before the step's

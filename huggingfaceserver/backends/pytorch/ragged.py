@@ -35,6 +35,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kv_cache import MixedColumns
+
 logger = logging.getLogger(__name__)
 
 RAGGED = "hfs_ragged"
@@ -50,17 +52,15 @@ of its steps (:func:`agree`): packed and separate forwards multiply matrices of 
 
 @dataclass(frozen=True)
 class MixedAttention:
-    """How a packed forward's queries attend: the first ``decoding`` are the decode rows'
-    (one each, rows ``0..decoding`` of the cache, over columns ``start:stop`` with ``mask``),
-    then each prompt's ``lengths[i]`` queries, in row ``decoding + i`` over its last
-    ``lengths[i]`` columns up to ``stop``."""
+    """How a packed forward's queries attend, laid out as its keys and values were written
+    (``columns``): the first ``columns.decoding`` are the decode rows' (one each, over the
+    columns from ``start`` to the step's with ``mask``), then each prompt's, in its own row
+    over its own tokens, which end at the step's column."""
 
-    decoding: int
+    columns: MixedColumns
     start: int
-    stop: int
     mask: torch.Tensor
-    """``[decoding, 1, 1, stop - start]``: the decode step's ready mask."""
-    lengths: tuple[int, ...]
+    """``[decoding, 1, 1, columns]``: the decode step's ready mask."""
 
 
 def ragged_attention(
@@ -77,8 +77,8 @@ def ragged_attention(
     mixed: MixedAttention | None = kwargs.pop(MIXED, None)
     if mixed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rows = mixed.decoding
-    columns = slice(mixed.start, mixed.stop)
+    rows, stop = mixed.columns.decoding, mixed.columns.column + 1
+    columns = slice(mixed.start, stop)
     parts = []
     if rows:
         decoding = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
@@ -92,8 +92,8 @@ def ragged_attention(
         )
         parts.append(out.reshape(1, rows, *out.shape[2:]))
     offset = rows
-    for row, length in enumerate(mixed.lengths, start=rows):
-        prompt = slice(mixed.stop - length, mixed.stop)
+    for row, length in enumerate(mixed.columns.lengths, start=rows):
+        prompt = slice(stop - length, stop)
         out, _ = sdpa_attention_forward(
             module,
             query[:, :, offset : offset + length],

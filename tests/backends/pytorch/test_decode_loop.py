@@ -129,7 +129,7 @@ def packed_prompts(backend: TransformersGenerator) -> Iterator[tuple[list[int], 
 
     def record(_module, _args, kwargs) -> None:
         if MIXED in kwargs:
-            packed.extend(kwargs[MIXED].lengths)
+            packed.extend(kwargs[MIXED].columns.lengths)
         elif kwargs["input_ids"].shape[1] > 1:
             apart.append(int(kwargs["input_ids"].shape[1]))
 
