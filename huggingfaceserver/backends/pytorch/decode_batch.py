@@ -95,6 +95,17 @@ class DecodeBatch(ABC):
         next-token logits ``[sum(rows), V]``. Only where :attr:`prefills_together`."""
         raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
 
+    def prefill_scoring_together(
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        adapters: Sequence[str | None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`prefill_together`, and each prompt's logits at every position but its last
+        (``[prompt - 1, V]``, as :meth:`prefill` scores one). Only where
+        :attr:`prefills_together`."""
+        raise NotImplementedError(f"{type(self).__name__} runs one prompt at a time")
+
     @property
     def prefills_in_parts(self) -> bool:
         """Whether a prompt can be fed in parts (:meth:`prefill_part`), other batches stepping
@@ -260,6 +271,29 @@ class CausalLMBatch(DecodeBatch):
         rows: list[int],
         adapters: Sequence[str | None] | None = None,
     ) -> torch.Tensor:
+        return self._prefill_padded(prompts, rows, adapters, every_position=False)[0]
+
+    def prefill_scoring_together(
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        adapters: Sequence[str | None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits, every = self._prefill_padded(prompts, rows, adapters, every_position=True)
+        length = every.shape[1]  # prompt i's tokens are the last len(prompt) positions
+        scored = [every[i, length - len(p) : length - 1] for i, p in enumerate(prompts)]
+        return logits, scored
+
+    def _prefill_padded(
+        self,
+        prompts: list[list[int]],
+        rows: list[int],
+        adapters: Sequence[str | None] | None,
+        every_position: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded into one forward: the first next-token logits of the rows,
+        and the forward's logits ``[prompts, positions, V]`` (the last position only unless
+        ``every_position``)."""
         names = [row_adapter(a) for a in adapters or [None] * len(prompts)]
         self.adapters = names
         length = max(len(ids) for ids in prompts)
@@ -268,7 +302,8 @@ class CausalLMBatch(DecodeBatch):
             mask[row, : length - len(prompt)] = 0
         ids = self._ids([[0] * (length - len(p)) + p for p in prompts])  # 0: masked out
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(ids, positions, mask)[:, -1]
+        every = self._forward(ids, positions, mask, every_position)
+        logits = every[:, -1]
         self.mask = mask
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         if any(count != 1 for count in rows):
@@ -283,7 +318,7 @@ class CausalLMBatch(DecodeBatch):
                 name for name, count in zip(names, rows, strict=True) for _ in range(count)
             ]
         self.positions = lengths
-        return logits
+        return logits, every
 
     def _extend(self, tokens: int) -> torch.Tensor:
         """The attention mask of a forward of ``tokens`` more tokens per row."""

@@ -3,15 +3,15 @@
 Requests wait in a queue. Between two decode steps the loop admits the waiting ones (first come,
 first served, while the running rows stay within ``max_rows``): the prompts of the requests
 admitted together run as one left-padded forward where the model allows it (grouped by length,
-so that padding stays bounded; a request that scores its prompt runs alone), then their rows
-join the running batch. Where the running batch's model allows it (:mod:`.ragged`), the
-prompts of requests admitted while it runs (on the base model, not scored, at most
-``part_tokens`` prompt tokens a step) are fed in its next decode step's own forward
-instead, their rows joining it there: admitting them costs the running rows no forward of
-their own. A prompt longer than ``part_tokens`` (``--prefill_chunk_tokens``) is
-fed in parts instead, at most that many prompt tokens a turn, the running rows stepping
-between the parts: a long prompt delays the others' next tokens by one part's forward, not by
-its whole prompt's (chunked prefill, as vLLM's).
+so that padding stays bounded; requests that score their prompts apart from the others, in
+groups of a bounded size), then their rows join the running batch. Where the running
+batch's model allows it (:mod:`.ragged`), the prompts of requests admitted while it runs (on
+the base model, not scored, at most ``part_tokens`` prompt tokens a step) are fed in its
+next decode step's own forward instead, their rows joining it there: admitting them costs
+the running rows no forward of their own. A prompt longer than ``part_tokens``
+(``--prefill_chunk_tokens``) is fed in parts instead, at most that many prompt tokens a
+turn, the running rows stepping between the parts: a long prompt delays the others' next
+tokens by one part's forward, not by its whole prompt's (chunked prefill, as vLLM's).
 Every step then feeds all running rows at once (each row's last token, kept on the device);
 the rows' :class:`~.sampling.SamplingBatch` (made when the rows change)
 chooses every row's next token with its own settings in one pass, copying to the host once,
@@ -60,7 +60,13 @@ STOP_TIMEOUT_S = 30.0
 PADDING_LIMIT = 1.5
 """Prompts prefill together while their padded batch holds at most this many times their
 tokens."""
+SCORED_GROUP_TOKENS = 512
+"""Prompts scored together hold at most this many tokens with their padding: their forward
+keeps the logits of every position (``[tokens, vocabulary]``), which a longer prompt scored
+alone holds anyway; a forward of this many tokens already reads the weights once for many."""
 
+Scored = dict["DecodeRequest", list[TokenLogprob | None]]
+"""The prompt logprobs of the requests that score their prompts, by request."""
 Emit = Callable[[list[ChoiceDelta] | BaseException | None], None]
 """Where a request's output goes: each step's deltas, then None, or the exception that ended
 it."""
@@ -250,7 +256,7 @@ class ContinuousBatcher:
                 self._start([request])
             return
         try:
-            scored = None
+            scored: Scored | None = None
             if len(requests) == 1:
                 [request] = requests
                 num_top = request.rows[0].params.prompt_logprobs
@@ -264,17 +270,28 @@ class ContinuousBatcher:
                     ),
                 )
                 if prompt_logits is not None and num_top is not None:
-                    scored = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
+                    top = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
+                    scored = {request: top}
             else:
                 prompts = [request.prompt_ids for request in requests]
-                logits = self.threads.run(
-                    prefill_bucket(len(prompts) * max(map(len, prompts))),  # padded
-                    lambda: batch.prefill_together(
-                        prompts,
-                        [len(request.rows) for request in requests],
-                        [request.adapter for request in requests],
-                    ),
+                args = (
+                    prompts,
+                    [len(request.rows) for request in requests],
+                    [request.adapter for request in requests],
                 )
+                bucket = prefill_bucket(len(prompts) * max(map(len, prompts)))  # padded
+                if requests[0].rows[0].params.prompt_logprobs is None:
+                    logits = self.threads.run(bucket, lambda: batch.prefill_together(*args))
+                else:  # a group of requests that score their prompts (prefill_groups)
+                    logits, every = self.threads.run(
+                        bucket, lambda: batch.prefill_scoring_together(*args)
+                    )
+                    scored = {}
+                    for request, prompt_logits in zip(requests, every, strict=True):
+                        num_top = request.rows[0].params.prompt_logprobs
+                        assert num_top is not None  # prefill_groups keeps the kinds apart
+                        top = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
+                        scored[request] = top
         except Exception as exc:  # its request fails, not the loop
             if len(requests) == 1:
                 self._end(requests[0], exc)
@@ -289,10 +306,10 @@ class ContinuousBatcher:
         requests: list[DecodeRequest],
         batch: DecodeBatch,
         logits: torch.Tensor,
-        scored: list[TokenLogprob | None] | None = None,
+        scored: Scored | None = None,
     ) -> None:
-        """After the requests' prompts ran: their first tokens, then their rows join the
-        running batch."""
+        """After the requests' prompts ran: their first tokens (with the prompt logprobs of
+        those that score their prompts: ``scored``), then their rows join the running batch."""
         rows = [row for request in requests for row in request.rows]
         owners = [request for request in requests for _ in request.rows]
         group = Running(batch, rows, owners)
@@ -466,7 +483,7 @@ class ContinuousBatcher:
         group: Running,
         logits: torch.Tensor,
         first: bool = False,
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        prompt_logprobs: Scored | None = None,
         joining: list[DecodeRequest] | None = None,
     ) -> None:
         """Choose the rows' next tokens, send each request its deltas (the first ones with
@@ -481,7 +498,9 @@ class ContinuousBatcher:
             if isinstance(outcome, Exception):
                 failed.setdefault(owner, outcome)
                 continue
-            outcome.prompt_logprobs = prompt_logprobs
+            outcome.prompt_logprobs = (
+                None if prompt_logprobs is None else prompt_logprobs.get(owner)
+            )
             deltas.setdefault(owner, []).append(outcome)
         for owner, error in failed.items():
             deltas.pop(owner, None)
@@ -530,19 +549,26 @@ class ContinuousBatcher:
 
 
 def prefill_groups(requests: list[DecodeRequest]) -> list[list[DecodeRequest]]:
-    """The admitted requests in groups whose prompts may run as one forward: a request that
-    scores its prompt alone, the others by prompt length, each group's padded batch at most
-    :data:`PADDING_LIMIT` times its tokens."""
+    """The admitted requests in groups whose prompts may run as one forward, by prompt length,
+    each group's padded batch at most :data:`PADDING_LIMIT` times its tokens. Requests that
+    score their prompts are grouped apart from the others (their forward keeps the logits of
+    every position), at most :data:`SCORED_GROUP_TOKENS` padded tokens a group."""
     scoring = [r for r in requests if r.rows[0].params.prompt_logprobs is not None]
-    groups = [[request] for request in scoring]
+    others = [r for r in requests if r.rows[0].params.prompt_logprobs is None]
+    return _by_length(scoring, SCORED_GROUP_TOKENS) + _by_length(others, None)
+
+
+def _by_length(requests: list[DecodeRequest], most_tokens: int | None) -> list[list[DecodeRequest]]:
+    """:func:`prefill_groups` for requests of one kind; ``most_tokens``: a bound on a group's
+    padded tokens (a longer prompt makes a group alone)."""
+    groups: list[list[DecodeRequest]] = []
     group: list[DecodeRequest] = []
     tokens = 0
-    for request in sorted(
-        (r for r in requests if r.rows[0].params.prompt_logprobs is None),
-        key=lambda r: len(r.prompt_ids),
-    ):
+    for request in sorted(requests, key=lambda r: len(r.prompt_ids)):
         length = len(request.prompt_ids)  # the longest so far: the group's padded length
-        if group and (len(group) + 1) * length > PADDING_LIMIT * (tokens + length):
+        padded = (len(group) + 1) * length
+        too_many = most_tokens is not None and padded > most_tokens
+        if group and (padded > PADDING_LIMIT * (tokens + length) or too_many):
             groups.append(group)
             group, tokens = [], 0
         group.append(request)

@@ -80,6 +80,29 @@ def test_prompts_prefilled_together_give_what_each_gives_alone(backends, name: s
         torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_prompts_scored_together_give_what_each_gives_alone(backends, name: str) -> None:
+    """Each prompt's logits at every position of a left-padded batch are those of the prompt
+    scored alone: the padding is cut from the front of each."""
+    backend = backends(name)
+    prompts = [prompt(backend, text) for text in PROMPTS]
+    assert len({len(ids) for ids in prompts}) > 1  # left padding is exercised
+    rows = [1, 2, 1]
+    with torch.inference_mode():
+        expected = [
+            backend.new_batch().prefill(ids, count, score_prompt=True)
+            for ids, count in zip(prompts, rows, strict=True)
+        ]
+        together = backend.new_batch()
+        first, scored = together.prefill_scoring_together(prompts, rows)
+        plain = backend.new_batch().prefill_together(prompts, rows)
+    torch.testing.assert_close(first, torch.cat([e[0] for e in expected]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first, plain, atol=1e-5, rtol=1e-5)
+    assert [tuple(s.shape) for s in scored] == [(len(p) - 1, backend.vocab_size) for p in prompts]
+    for got, (_, want) in zip(scored, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_keep_drops_the_padding_no_row_needs(backends) -> None:
     backend = backends("llama")
     long_ids, short_ids = prompt(backend, PROMPTS[2]), prompt(backend, PROMPTS[0])

@@ -19,6 +19,7 @@ import torch
 
 from huggingfaceserver.backends.pytorch.decode_loop import (
     PADDING_LIMIT,
+    SCORED_GROUP_TOKENS,
     DecodeRequest,
     prefill_groups,
 )
@@ -27,7 +28,7 @@ from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.sequence import SequenceState
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import NotReady
-from huggingfaceserver.generation.params import SamplingParams
+from huggingfaceserver.generation.params import SamplingParams, TokenLogprob
 from huggingfaceserver.observability.syncs import SyncCounter
 
 from .generation_helpers import (
@@ -265,7 +266,55 @@ async def test_requests_admitted_together_prefill_together_and_keep_their_settin
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
-async def test_a_request_scoring_its_prompt_prefills_alone(backends) -> None:
+async def test_requests_scoring_their_prompts_prefill_together(backends) -> None:
+    """Requests that score their prompts, admitted together, run their prompts in one forward
+    apart from the others; each gets the prompt logprobs and tokens it gets alone."""
+    backend = backends("llama")
+    short, long = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[1])
+    requests: list[Prompted] = [
+        (short, replace(GREEDY, prompt_logprobs=2)),
+        (long, GREEDY),
+        (long, replace(GREEDY, prompt_logprobs=0, n=2)),
+        (long, replace(GREEDY, prompt_logprobs=1)),
+    ]
+    expected = [await scored_run(backend, *r) for r in requests]
+    with forward_shapes(backend) as shapes:
+        async with admitted_together(backend):
+            tasks = [asyncio.create_task(scored_run(backend, *r)) for r in requests]
+        together = await asyncio.gather(*tasks)
+    assert len(long) * 3 <= PADDING_LIMIT * (2 * len(long) + len(short))  # one group
+    assert sorted(shape for shape in shapes if shape[1] > 1) == [(1, len(long)), (3, len(long))]
+    for (got_choices, got_scores), (want_choices, want_scores) in zip(
+        together, expected, strict=True
+    ):
+        assert tokens([got_choices]) == tokens([want_choices])
+        assert (got_scores is None) == (want_scores is None)
+        for got, want in zip(got_scores or [], want_scores or [], strict=True):
+            if want is None:  # the first prompt token
+                assert got is None
+                continue
+            assert got is not None
+            assert (got.token_id, got.rank) == (want.token_id, want.rank)
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+async def scored_run(
+    backend: TransformersGenerator, prompt_ids: list[int], params: SamplingParams
+) -> tuple[list[Choice], list[TokenLogprob | None] | None]:
+    """:func:`run`, and the prompt logprobs the request's first deltas carry."""
+    choices = [Choice() for _ in range(params.n)]
+    scores = None
+    async for deltas in backend.generate(prompt_ids, params):
+        for delta in deltas:
+            check_delta(choices[delta.index], delta)
+            if delta.prompt_logprobs is not None:
+                assert scores is None or scores == delta.prompt_logprobs
+                scores = delta.prompt_logprobs
+    return choices, scores
+
+
+async def test_a_request_scoring_its_prompt_prefills_apart(backends) -> None:
     backend = backends("llama")
     ids = prompt(backend, PROMPTS[1])
     requests: list[Prompted] = [
@@ -311,18 +360,28 @@ async def test_a_prompt_that_fails_a_group_prefill_fails_only_its_request(backen
     assert await asyncio.to_thread(wait_until_idle, backend)
 
 
-def test_prefill_groups_bound_padding_and_keep_scoring_requests_alone() -> None:
+def test_prefill_groups_bound_padding_and_keep_scoring_requests_apart() -> None:
     def request(length: int, prompt_logprobs: int | None = None) -> DecodeRequest:
         params = SamplingParams(prompt_logprobs=prompt_logprobs)
         return DecodeRequest(rows=[_row(length, params)], emit=lambda _: None)
 
     short, short2, mid, long = request(4), request(5), request(6), request(40)
-    scoring = request(5, prompt_logprobs=0)
-    groups = prefill_groups([long, short, scoring, mid, short2])
-    assert groups == [[scoring], [short, short2, mid], [long]]
+    scoring, scoring2 = request(5, prompt_logprobs=0), request(6, prompt_logprobs=2)
+    wide = SCORED_GROUP_TOKENS // 2  # two of these fill a scoring group, a third does not fit
+    scoring_wide = [request(wide - i, prompt_logprobs=1) for i in range(3)]
+    groups = prefill_groups([long, short, scoring, mid, *scoring_wide, short2, scoring2])
+    assert groups == [
+        [scoring, scoring2],
+        [scoring_wide[2], scoring_wide[1]],
+        [scoring_wide[0]],
+        [short, short2, mid],
+        [long],
+    ]
     for group in groups:
         lengths = [len(r.prompt_ids) for r in group]
         assert len(lengths) * max(lengths) <= PADDING_LIMIT * sum(lengths)
+        if group[0].rows[0].params.prompt_logprobs is not None:
+            assert len(lengths) * max(lengths) <= SCORED_GROUP_TOKENS
     assert prefill_groups([]) == []
 
 
