@@ -119,6 +119,12 @@ class DecodeBatch(ABC):
         part."""
         raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
 
+    def score_part(self, ids: list[int], start: int, adapter: str | None = None) -> torch.Tensor:
+        """:meth:`prefill_part`, keeping the logits of every position of the part
+        ``[len(ids), V]`` (position ``i`` predicts the prompt's token ``start + i + 1``; the
+        last part's last row is the next-token logits)."""
+        raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
+
     def finish_prefill(self, length: int, rows: int) -> None:
         """After a prompt's last part (``length`` tokens in all): its cache held for ``rows``
         rows, ready to step."""
@@ -254,6 +260,10 @@ class CausalLMBatch(DecodeBatch):
     def prefill_part(self, ids: list[int], start: int, adapter: str | None = None) -> torch.Tensor:
         self.adapters = [row_adapter(adapter)]
         return self._feed(ids, start)[-1]
+
+    def score_part(self, ids: list[int], start: int, adapter: str | None = None) -> torch.Tensor:
+        self.adapters = [row_adapter(adapter)]
+        return self._feed(ids, start, every_position=True)
 
     def finish_prefill(self, length: int, rows: int) -> None:
         if rows > 1:

@@ -62,8 +62,9 @@ PADDING_LIMIT = 1.5
 tokens."""
 SCORED_GROUP_TOKENS = 512
 """Prompts scored together hold at most this many tokens with their padding: their forward
-keeps the logits of every position (``[tokens, vocabulary]``), which a longer prompt scored
-alone holds anyway; a forward of this many tokens already reads the weights once for many."""
+keeps the logits of every position (``[tokens, vocabulary]``). A longer prompt is scored alone
+(in parts where it is longer than ``part_tokens``); a forward of this many tokens already
+reads the weights once for many."""
 
 Scored = dict["DecodeRequest", list[TokenLogprob | None]]
 """The prompt logprobs of the requests that score their prompts, by request."""
@@ -98,6 +99,8 @@ class Prefilling:
     request: DecodeRequest
     batch: DecodeBatch
     fed: int = 0
+    scores: list[TokenLogprob | None] = field(default_factory=list)
+    """The prompt logprobs of the tokens fed so far, when the request scores its prompt."""
 
 
 @dataclass(eq=False)
@@ -330,11 +333,10 @@ class ContinuousBatcher:
 
     def _begin_in_parts(self, admitted: list[DecodeRequest]) -> list[DecodeRequest]:
         """Set aside the admitted requests whose prompt is fed in parts (longer than a part,
-        not scored, on a model that allows it); the others, whose prompts run whole."""
+        on a model that allows it); the others, whose prompts run whole."""
         whole = []
         for request in admitted:
-            long = len(request.prompt_ids) > self.part_tokens
-            if long and request.rows[0].params.prompt_logprobs is None:
+            if len(request.prompt_ids) > self.part_tokens:
                 batch = self.new_batch()
                 if batch.prefills_in_parts:
                     self.prefilling.append(Prefilling(request, batch))
@@ -379,15 +381,7 @@ class ContinuousBatcher:
                 continue
             take = min(budget, len(prompt) - part.fed)
             try:
-                logits = self.threads.run(
-                    prefill_bucket(take),
-                    partial(
-                        part.batch.prefill_part,
-                        prompt[part.fed : part.fed + take],
-                        part.fed,
-                        request.adapter,
-                    ),
-                )
+                logits = self._feed_part(part, take)
                 part.fed += take
                 budget -= take
                 if part.fed == len(prompt):
@@ -398,7 +392,30 @@ class ContinuousBatcher:
                 continue
             if part.fed == len(prompt):
                 self.prefilling.popleft()
-                self._join([request], part.batch, logits.expand(len(request.rows), -1))
+                scored = {request: part.scores} if part.scores else None
+                self._join([request], part.batch, logits.expand(len(request.rows), -1), scored)
+
+    def _feed_part(self, part: Prefilling, take: int) -> torch.Tensor:
+        """Feed the next ``take`` tokens of a prompt fed in parts: the next-token logits after
+        them ``[V]``; the logprobs of the part's prompt tokens go to :attr:`Prefilling.scores`
+        when the request scores its prompt (a part's logits ``[take, V]`` at most held)."""
+        request, start = part.request, part.fed
+        prompt = request.prompt_ids
+        ids = prompt[start : start + take]
+        num_top = request.rows[0].params.prompt_logprobs
+        if num_top is None:
+            return self.threads.run(
+                prefill_bucket(take), partial(part.batch.prefill_part, ids, start, request.adapter)
+            )
+        every = self.threads.run(
+            prefill_bucket(take), partial(part.batch.score_part, ids, start, request.adapter)
+        )
+        last = start + take == len(prompt)
+        # position i predicts token i + 1: up to the next part's first token, or the prompt's end
+        targets = prompt[start : start + take + (0 if last else 1)]
+        scores = prompt_token_logprobs(every[:-1] if last else every, targets, num_top)
+        part.scores += scores if start == 0 else scores[1:]  # [0]: None, the part's first
+        return every[-1]
 
     def _step(self, group: Running, joining: list[DecodeRequest] | None = None) -> None:
         """One decode step of a batch, feeding the prompts of the ``joining`` requests in the

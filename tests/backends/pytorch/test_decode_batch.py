@@ -166,11 +166,36 @@ def test_a_prompt_fed_in_parts_gives_what_it_gives_whole(backends, name, reserve
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("reserved", [True, False])
+def test_a_prompt_scored_in_parts_gives_the_logits_of_the_whole(backends, reserved) -> None:
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[2])
+    assert len(ids) > 6  # three parts at least
+
+    def batch() -> DecodeBatch:
+        return backend.new_batch() if reserved else CausalLMBatch(backend.model)
+
+    with torch.inference_mode():
+        first, expected = batch().prefill(ids, 1, score_prompt=True)
+        parted = batch()
+        parts = [
+            parted.score_part(ids[start : start + 3], start) for start in range(0, len(ids), 3)
+        ]
+    every = torch.cat(parts)
+    assert [len(part) for part in parts] == [len(ids[s : s + 3]) for s in range(0, len(ids), 3)]
+    assert expected is not None
+    # float32 products of other shapes: 1e-4, the tolerance the decode loop's tests give
+    torch.testing.assert_close(every[:-1], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(every[-1], first[0], atol=1e-4, rtol=1e-4)
+
+
 def test_a_sequence_to_sequence_prompt_runs_whole(backends) -> None:
     batch = backends("t5").new_batch()
     assert not batch.prefills_in_parts
     with pytest.raises(NotImplementedError):
         batch.prefill_part([1, 2], 0)
+    with pytest.raises(NotImplementedError):
+        batch.score_part([1, 2], 0)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -616,6 +616,27 @@ async def test_a_long_prompt_is_fed_in_parts_while_the_running_rows_step(in_part
         assert after - before == 2 and shapes[before + 1] == (1, 1)  # the short row stepped
 
 
+async def test_a_long_scored_prompt_is_fed_in_parts(in_parts, backends) -> None:
+    """A prompt that is scored is fed in parts too, each part's logprobs taken as it runs:
+    the request gets the prompt logprobs and tokens of its prompt scored whole."""
+    long = prompt(in_parts, PROMPTS[2])
+    whole, rest = divmod(len(long), 4)
+    params = replace(GREEDY, prompt_logprobs=2, n=2)
+    expected_choices, expected_scores = await scored_run(backends("llama"), long, params)
+    with forward_shapes(in_parts) as shapes:
+        choices, scores = await scored_run(in_parts, long, params)
+    assert [s for s in shapes if s[1] > 1] == [(1, 4)] * whole + ([(1, rest)] if rest > 1 else [])
+    assert tokens([choices]) == tokens([expected_choices])
+    assert scores is not None and expected_scores is not None
+    assert len(scores) == len(expected_scores) == len(long)
+    assert scores[0] is None and expected_scores[0] is None
+    for got, want in zip(scores[1:], expected_scores[1:], strict=True):
+        assert got is not None and want is not None
+        assert (got.token_id, got.rank) == (want.token_id, want.rank)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
 async def test_a_request_that_leaves_during_its_parts_frees_its_rows(in_parts) -> None:
     """The consumer leaves while the second part runs: the request ends before its other
     parts, its rows are freed, and the loop goes on."""
