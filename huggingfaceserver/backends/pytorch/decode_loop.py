@@ -91,6 +91,11 @@ class DecodeRequest:
     def prompt_ids(self) -> list[int]:
         return self.rows[0].prompt_ids
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """How many top tokens each prompt token's logprob comes with (None: not scored)."""
+        return self.rows[0].params.prompt_logprobs
+
 
 @dataclass(eq=False)
 class Prefilling:
@@ -262,7 +267,7 @@ class ContinuousBatcher:
             scored: Scored | None = None
             if len(requests) == 1:
                 [request] = requests
-                num_top = request.rows[0].params.prompt_logprobs
+                num_top = request.prompt_logprobs
                 logits, prompt_logits = self.threads.run(
                     prefill_bucket(len(request.prompt_ids)),
                     lambda: batch.prefill(
@@ -283,7 +288,7 @@ class ContinuousBatcher:
                     [request.adapter for request in requests],
                 )
                 bucket = prefill_bucket(len(prompts) * max(map(len, prompts)))  # padded
-                if requests[0].rows[0].params.prompt_logprobs is None:
+                if requests[0].prompt_logprobs is None:
                     logits = self.threads.run(bucket, lambda: batch.prefill_together(*args))
                 else:  # a group of requests that score their prompts (prefill_groups)
                     logits, every = self.threads.run(
@@ -291,7 +296,7 @@ class ContinuousBatcher:
                     )
                     scored = {}
                     for request, prompt_logits in zip(requests, every, strict=True):
-                        num_top = request.rows[0].params.prompt_logprobs
+                        num_top = request.prompt_logprobs
                         assert num_top is not None  # prefill_groups keeps the kinds apart
                         top = prompt_token_logprobs(prompt_logits, request.prompt_ids, num_top)
                         scored[request] = top
@@ -356,11 +361,7 @@ class ContinuousBatcher:
         budget = self.part_tokens
         for request in requests:
             length = len(request.prompt_ids)
-            if (
-                request.adapter is None
-                and request.rows[0].params.prompt_logprobs is None
-                and length <= budget
-            ):
+            if request.adapter is None and request.prompt_logprobs is None and length <= budget:
                 joining.append(request)
                 budget -= length
             else:
@@ -402,7 +403,7 @@ class ContinuousBatcher:
         request, start = part.request, part.fed
         prompt = request.prompt_ids
         ids = prompt[start : start + take]
-        num_top = request.rows[0].params.prompt_logprobs
+        num_top = request.prompt_logprobs
         if num_top is None:
             return self.threads.run(
                 prefill_bucket(take), partial(part.batch.prefill_part, ids, start, request.adapter)
@@ -570,8 +571,8 @@ def prefill_groups(requests: list[DecodeRequest]) -> list[list[DecodeRequest]]:
     each group's padded batch at most :data:`PADDING_LIMIT` times its tokens. Requests that
     score their prompts are grouped apart from the others (their forward keeps the logits of
     every position), at most :data:`SCORED_GROUP_TOKENS` padded tokens a group."""
-    scoring = [r for r in requests if r.rows[0].params.prompt_logprobs is not None]
-    others = [r for r in requests if r.rows[0].params.prompt_logprobs is None]
+    scoring = [r for r in requests if r.prompt_logprobs is not None]
+    others = [r for r in requests if r.prompt_logprobs is None]
     return _by_length(scoring, SCORED_GROUP_TOKENS) + _by_length(others, None)
 
 
