@@ -132,6 +132,10 @@ class Running:
         return [row.output_ids[-1] for row in self.rows]
 
 
+def let_go(batch: DecodeBatch) -> None:
+    """Keep nothing of a batch the loop is done with."""
+
+
 class ContinuousBatcher:
     """The shared decode loop; ``submit`` from any thread, ``close`` once at shutdown."""
 
@@ -141,8 +145,12 @@ class ContinuousBatcher:
         max_rows: int,
         model_name: str = ServerConfig.model_name,
         part_tokens: int = ServerConfig.prefill_chunk_tokens,
+        retire: Callable[[DecodeBatch], None] = let_go,
     ):
         self.new_batch = new_batch
+        self.retire = retire
+        """Called with each batch whose rows have all ended (not one whose forward failed):
+        the batch's maker may keep its KV cache for the next one."""
         self.max_rows = max_rows
         self.part_tokens = part_tokens
         """Prompt tokens fed in parts per turn of the loop (``--prefill_chunk_tokens``)."""
@@ -328,6 +336,7 @@ class ContinuousBatcher:
                 self._end(request, exc)
             return
         if not group.rows:
+            self.retire(batch)
             return
         joined = self.running[0] if self.running else None
         if joined is not None and joined.batch.absorb(group.batch):
@@ -460,8 +469,11 @@ class ContinuousBatcher:
             for request in dict.fromkeys(group.owners):
                 self._end(request, exc)
             group.rows.clear()
+            self.running.remove(group)
+            return
         if not group.rows:
             self.running.remove(group)
+            self.retire(group.batch)
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:
         """After a failed forward: each request's rows in a batch of their own, stepped again,

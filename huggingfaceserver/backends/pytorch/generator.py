@@ -187,7 +187,11 @@ class TransformersGenerator(GenerationBackend):
             self.max_rows,
             self.config.model_name,
             self.config.prefill_chunk_tokens,
+            self.retire_batch,
         )
+        self.idle_cache: ReservedCache | None = None
+        """The KV cache of the last batch whose rows all ended, kept for the next batch while
+        the recorded decode steps write into it (:meth:`retire_batch`)."""
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -289,12 +293,30 @@ class TransformersGenerator(GenerationBackend):
         """The model side of a new batch, for this model's kind."""
         if self.decoder_start_token_id is None:
             if self.cache_layers:
-                cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
+                cache, self.idle_cache = self.idle_cache, None
+                if cache is None:
+                    cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
+                else:
+                    cache.empty()
                 return ReservedCausalLMBatch(
                     self.model, cache, self.graphs, self.ready_masks, self.lora, self.mixes
                 )
             return CausalLMBatch(self.model, self.lora)
         return Seq2SeqBatch(self.model, self.decoder_start_token_id)
+
+    def retire_batch(self, batch: DecodeBatch) -> None:
+        """A batch whose rows have all ended: where decode steps are recorded as graphs over
+        its KV cache, the next batch takes that cache (:attr:`idle_cache`), so that a wave of
+        requests after an idle spell replays the graphs recorded before it instead of recording
+        them again over new buffers. It costs no memory: the graphs hold the cache whose
+        buffers they write until they are recorded over another one. Elsewhere (on CPU, with
+        LoRA adapters) nothing is recorded and the cache goes with its batch."""
+        if (
+            self.graphs is not None
+            and isinstance(batch, ReservedCausalLMBatch)
+            and self.graphs.records_over(batch.cache)
+        ):
+            self.idle_cache = batch.cache
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

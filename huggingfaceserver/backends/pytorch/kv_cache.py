@@ -270,6 +270,14 @@ class ReservedCache(Cache):
         finally:
             self.whole = None
 
+    def empty(self) -> None:
+        """Hold no rows, keeping the buffers (and :attr:`layout`): the next batch's first
+        forward writes into them as into new ones, and what was recorded over them (a CUDA
+        graph of a decode step) still applies. The old keys and values stay in the cells until
+        overwritten: finite numbers, hidden by the mask like any padding."""
+        self.rows = self.start = self.end = 0
+        self.mask_buffer.zero_()
+
     def open_rows(self, lengths: Sequence[int]) -> int:
         """Before a decode step's :meth:`reserve` of its column: a row more per prompt (of
         ``lengths`` tokens), to be written by the step's own forward (:meth:`mixing`), each

@@ -11,8 +11,10 @@ from tensors kept here (each row's token, position and attention mask, and the c
 and values go to) and runs over the whole buffers of the batch's
 :class:`~.kv_cache.ReservedCache` (:meth:`~.kv_cache.ReservedCache.writing_at`). When the cache
 replaces its buffers (it grew; another batch took over) the graphs are recorded again, lazily,
-per bucket. Where recording fails (an operation that waits for the device, a model whose
-forward depends on the step) the steps run eagerly from then on, the reason logged once.
+per bucket. A batch whose rows have all ended leaves its cache to the next one (an idle spell
+between two waves of requests), so that the graphs recorded over it keep serving. Where
+recording fails (an operation that waits for the device, a model whose forward depends on the
+step) the steps run eagerly from then on, the reason logged once.
 
 Off on a CPU, where launching a kernel costs no more than running it. The recording is a
 function given to :class:`StepGraphs`: :func:`cuda_graph` on a GPU, :func:`eager` in the tests,
@@ -133,6 +135,10 @@ class StepGraphs:
         self.recordings = 0
         """Graphs recorded so far."""
 
+    def records_over(self, cache: ReservedCache) -> bool:
+        """Whether the graphs recorded so far write into this cache's buffers as they are."""
+        return self.over is not None and self.over[0] is cache and self.over[1] == cache.layout
+
     def bucket(self, cache: ReservedCache) -> int | None:
         """The rows of the graph that serves the cache's batch (None: none does, run it
         eagerly), the cache's buffers fitted to them. Before the step's
@@ -149,7 +155,7 @@ class StepGraphs:
         ``[rows, V]`` (valid until the next step), or None where recording failed: run it
         eagerly."""
         cache = batch.cache
-        if self.over is None or self.over[0] is not cache or self.over[1] != cache.layout:
+        if not self.records_over(cache):
             self.replays.clear()
             self.inputs.clear()
             self.over = (cache, cache.layout)

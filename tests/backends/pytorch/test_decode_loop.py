@@ -212,6 +212,68 @@ async def test_graphed_decode_steps_give_the_tokens_eager_ones_give(backends) ->
     assert graphs.recordings >= 2 and graphs.broken is None  # buckets 1 and 2 at least
 
 
+async def test_a_wave_after_an_idle_spell_replays_the_graphs_recorded_before_it(
+    backends,
+) -> None:
+    """A batch whose rows have all ended leaves its KV cache to the next one: a request after
+    an idle spell runs on the same buffers and replays the graph recorded for the one before
+    (none recorded again), with the tokens it gets alone; more rows than the buffers hold grow
+    them, and only the new bucket is recorded."""
+    backend = backends("llama")
+    assert backend.graphs is None
+    await check_waves_after_idle(backend, StepGraphs(backend.max_rows, eager))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_graphs_serve_a_wave_after_an_idle_spell(tiny_models) -> None:
+    backend = load(tiny_models["llama"], "--dtype", "float32")
+    try:
+        graphs = backend.graphs
+        assert backend.device.type == "cuda" and graphs is not None
+        backend.graphs = None
+        await check_waves_after_idle(backend, graphs)
+    finally:
+        backend.shutdown()
+
+
+async def check_waves_after_idle(backend: TransformersGenerator, graphs: StepGraphs) -> None:
+    """Requests one after another, with ``graphs`` and without: the same tokens; the graphs
+    recorded for the first serve the next ones, over the same cache."""
+    first, second = prompt(backend, PROMPTS[2]), prompt(backend, PROMPTS[0])
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    requests: list[Prompted] = [
+        (first, GREEDY),
+        (second, replace(GREEDY, max_tokens=9)),
+        (second, sampled),
+        (first, replace(sampled, n=3)),
+    ]
+    expected = await alone(backend, requests)
+    assert backend.idle_cache is None  # no graphs: nothing kept
+    backend.graphs = graphs
+
+    def kept():  # read on the decode thread, once the step that ended the wave is done
+        return backend.batcher.run_on_loop(lambda: backend.idle_cache)
+
+    try:
+        waves = [await run(backend, *requests[0])]
+        cache = kept()
+        assert cache is not None and graphs.records_over(cache)
+        assert graphs.recordings == 1  # bucket 1
+        for request in requests[1:3]:
+            waves.append(await run(backend, *request))
+            assert kept() is cache
+        assert graphs.recordings == 1  # replayed, not recorded again
+        waves.append(await run(backend, *requests[3]))  # three rows: bucket 4, wider buffers
+        assert kept() is cache and graphs.records_over(cache)
+        assert graphs.recordings == 2
+        assert graphs.broken is None
+    finally:
+        backend.graphs = None
+        backend.idle_cache = None
+    assert tokens(waves) == tokens(expected)
+
+
 async def test_each_request_keeps_its_own_settings(backends) -> None:
     backend = backends("llama")
     ids = [prompt(backend, text) for text in PROMPTS]
