@@ -17,7 +17,9 @@ apart, so that only the request whose rows break the model fails.
 With LoRA adapters (:mod:`.adapters`) every forward goes through PEFT with each row's adapter:
 the batch keeps one adapter name per row (:attr:`DecodeBatch.adapters`), in step with its cache
 rows whenever rows are repeated, dropped, absorbed or split. Such a batch never replays CUDA
-graphs: the rows' adapters are chosen in Python, outside what a graph records.
+graphs: the rows' adapters are chosen in Python, outside what a graph records. Its decode steps
+feed new prompts (:meth:`DecodeBatch.mixes_for`) only while every row and the prompts have one
+adapter: a packed forward is one batch row, and PEFT takes one adapter per row.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -143,11 +146,18 @@ class DecodeBatch(ABC):
         tokens: torch.Tensor | Sequence[int],
         prompts: list[list[int]],
         copies: list[int] | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, prompt
-        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows: the
-        logits ``[rows + sum(copies), V]``. Only where :attr:`mixes`."""
+        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows, with
+        LoRA ``adapter`` (None: the base model): the logits ``[rows + sum(copies), V]``. Only
+        where :meth:`mixes_for` that adapter."""
         raise NotImplementedError(f"{type(self).__name__}'s decode steps take no prompts")
+
+    def mixes_for(self, adapter: str | None) -> bool:
+        """Whether the next decode step can feed a prompt for LoRA ``adapter`` (None: the base
+        model): never here."""
+        return False
 
     @abstractmethod
     def keep(self, rows: list[int]) -> None:
@@ -369,8 +379,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
         self.cache = cache
         if graphs is not None and (not ready_masks or lora is not None):
             raise ValueError("recorded decode steps need ready masks and no LoRA adapters")
-        if mixes and (not ready_masks or lora is not None):
-            raise ValueError("decode steps take prompts with ready masks and no LoRA adapters")
+        if mixes and not ready_masks:
+            raise ValueError("decode steps take prompts with ready masks only")
         self.mixes = mixes
         """Whether :meth:`step_mixing` feeds prompts in a decode step (decided at load,
         :func:`~.ragged.enable_mixed_steps`)."""
@@ -426,19 +436,27 @@ class ReservedCausalLMBatch(CausalLMBatch):
         self.positions = self.positions + 1
         return logits
 
+    def mixes_for(self, adapter: str | None) -> bool:
+        """Where :attr:`mixes`, and every row decodes with LoRA ``adapter`` (None: the base
+        model): PEFT takes one adapter per batch row, and a packed forward is one row."""
+        name = row_adapter(adapter)
+        return self.mixes and (self.lora is None or all(a == name for a in self.adapters))
+
     def step_mixing(
         self,
         tokens: torch.Tensor | Sequence[int],
         prompts: list[list[int]],
         copies: list[int] | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """A decode step that also feeds ``prompts`` (each run once, in a row of its own, then
         repeated to ``copies[i]`` rows joining this batch after its rows), in one forward
-        (:mod:`.ragged`; only where :attr:`mixes`): the logits ``[rows + sum(copies), V]``, the
-        running rows' next tokens then each prompt's first, per copy. A forward that raises
-        leaves the batch as it was."""
-        if not self.mixes:
-            return super().step_mixing(tokens, prompts, copies)
+        (:mod:`.ragged`; only where :meth:`mixes_for` ``adapter``, the LoRA adapter of every
+        row and prompt): the logits ``[rows + sum(copies), V]``, the running rows' next tokens
+        then each prompt's first, per copy. A forward that raises leaves the batch as it was."""
+        if not self.mixes_for(adapter):
+            return super().step_mixing(tokens, prompts, copies, adapter)
+        name = row_adapter(adapter)
         cache = self.cache
         lengths = tuple(len(prompt) for prompt in prompts)
         rows = cache.open_rows(lengths)
@@ -455,8 +473,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
             keep = torch.cat([torch.arange(rows, device=self.device), ends])
             layout = MixedColumns(rows, column, lengths)
             attention = MixedAttention(layout, cache.start, mask)
+            packed = self.model if self.lora is None else partial(self.lora.forward, [name])
             with cache.mixing(layout):
-                output = self.model(
+                output = packed(
                     input_ids=ids[None],
                     position_ids=positions[None],
                     attention_mask=mask.new_zeros(1, 1, ids.shape[0], 1),  # taken as given
@@ -483,7 +502,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
             repeat = torch.tensor(index, device=self.device)
             self.positions = self.positions.index_select(0, repeat)
             logits = logits.index_select(0, repeat)
-        self.adapters = self.adapters + [row_adapter(None)] * (cache.rows - rows)
+        self.adapters = self.adapters + [name] * (cache.rows - rows)
         return logits
 
     @property

@@ -362,15 +362,21 @@ class ContinuousBatcher:
         self, requests: list[DecodeRequest]
     ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
         """The admitted requests whose prompts the first running batch's next decode step
-        feeds (its model allows it; on the base model, not scored; at most
-        :attr:`part_tokens` prompt tokens in all, first come first served), and the others."""
-        if not (self.running and self.running[0].batch.mixes):
+        feeds (its model allows it; with the LoRA adapter of every running row, not scored; at
+        most :attr:`part_tokens` prompt tokens in all, first come first served), and the
+        others."""
+        if not self.running:
             return [], requests
+        batch = self.running[0].batch
         joining, others = [], []
         budget = self.part_tokens
         for request in requests:
             length = len(request.prompt_ids)
-            if request.adapter is None and request.prompt_logprobs is None and length <= budget:
+            if (
+                batch.mixes_for(request.adapter)
+                and request.prompt_logprobs is None
+                and length <= budget
+            ):
                 joining.append(request)
                 budget -= length
             else:
@@ -439,9 +445,10 @@ class ContinuousBatcher:
             if joining:
                 prompts = [request.prompt_ids for request in joining]
                 copies = [len(request.rows) for request in joining]
+                adapter = joining[0].adapter  # every joining request's (_mixable)
                 logits = self.threads.run(
                     prefill_bucket(len(group.rows) + sum(map(len, prompts))),
-                    lambda: group.batch.step_mixing(inputs, prompts, copies),
+                    lambda: group.batch.step_mixing(inputs, prompts, copies, adapter),
                 )
             else:
                 logits = self.threads.run(

@@ -171,9 +171,7 @@ class TransformersGenerator(GenerationBackend):
                 "builds its own (and waits for the device once), no CUDA graphs",
                 type(model).__name__,
             )
-        self.mixes = (
-            self.ready_masks and self.lora is None and mixes_prompts(model, self.cache_layers)
-        )
+        self.mixes = self.ready_masks and mixes_prompts(model, self.cache_layers)
         """Whether decode steps feed new prompts in their forward (:mod:`.ragged`)."""
         if self.mixes:
             logger.info("new prompts are fed in the running rows' decode steps")

@@ -1,12 +1,14 @@
 """LoRA adapters on the transformers backend: greedy tokens equal PEFT's own
 ``PeftModel.generate`` for each adapter, with two adapters and the base model decoding in one
-batch; each row keeps its adapter as rows are repeated, dropped, absorbed and split; no CUDA
+batch; a prompt is fed in the running rows' decode step only while they all have its adapter;
+each row keeps its adapter as rows are repeated, dropped, absorbed and split; no CUDA
 graph is replayed for them; adapters that cannot be served are startup errors; adapters loaded
 and unloaded at run time while requests decode."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +22,13 @@ from huggingfaceserver.backends.pytorch.adapters import BASE
 from huggingfaceserver.backends.pytorch.decode_batch import ReservedCausalLMBatch
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator, records_steps
 from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
+from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
 from tiny_models import build_lora_adapter
 
-from .generation_helpers import PROMPTS, load, prompt, run
+from .generation_helpers import PROMPTS, Choice, check_delta, load, prompt, run
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -75,12 +78,20 @@ def peft_greedy(tiny_models, adapter_dirs) -> Callable[[list[int], str | None], 
 
 
 @contextmanager
-def peft_adapter_names(backend: TransformersGenerator) -> Iterator[list[list[str]]]:
-    """The ``adapter_names`` of every PEFT forward made inside the block."""
-    seen: list[list[str]] = []
+def peft_forwards(
+    backend: TransformersGenerator, slow: bool = False
+) -> Iterator[list[tuple[list[str], list[int]]]]:
+    """Each PEFT forward made inside the block: its ``adapter_names`` and the lengths of the
+    prompts it fed in a decode step (none for any other forward). ``slow``: every forward
+    takes a little longer, so that later requests reliably find earlier ones still running."""
+    seen: list[tuple[list[str], list[int]]] = []
 
     def record(_module, _args, kwargs) -> None:
-        seen.append(list(kwargs["adapter_names"]))
+        if slow:
+            threading.Event().wait(0.005)
+        mixed = kwargs.get(MIXED)
+        lengths = [] if mixed is None else [*mixed.columns.lengths]
+        seen.append((list(kwargs["adapter_names"]), lengths))
 
     assert backend.lora is not None
     handle = backend.lora.peft_model.register_forward_pre_hook(record, with_kwargs=True)
@@ -115,14 +126,96 @@ async def test_two_adapters_and_the_base_model_share_the_batch(served, peft_gree
         (prompt(served, PROMPTS[0]), None, SamplingParams(n=2, temperature=0, max_tokens=9)),
     ]
     assert len(requests[0][0]) > 8
-    with peft_adapter_names(served) as forwards:
+    with peft_forwards(served) as forwards:
         results = await asyncio.gather(
             *(run(served, ids, params, adapter) for ids, adapter, params in requests)
         )
     for (ids, adapter, params), choices in zip(requests, results, strict=True):
         expected = peft_greedy(ids, adapter)[: params.max_tokens]
         assert [choice.token_ids for choice in choices] == [expected] * params.n, adapter
-    assert any({BASE, *ADAPTERS} <= set(names) for names in forwards)  # one mixed forward
+    assert any({BASE, *ADAPTERS} <= set(names) for names, _ in forwards)  # one mixed forward
+
+
+Adapted = tuple[list[int], str | None, SamplingParams]
+
+
+async def staggered(backend: TransformersGenerator, requests: list[Adapted]) -> list[list[Choice]]:
+    """Run the requests, each started once the one before has received two steps."""
+    started = [asyncio.Event() for _ in requests]
+
+    async def one(i: int, ids: list[int], adapter: str | None, params: SamplingParams):
+        if i:
+            await started[i - 1].wait()
+        choices = [Choice() for _ in range(params.n)]
+        received = 0
+        try:
+            async for deltas in backend.generate(ids, params, adapter):
+                for delta in deltas:
+                    check_delta(choices[delta.index], delta)
+                received += 1
+                if received == 2:
+                    started[i].set()
+        finally:
+            started[i].set()
+        return choices
+
+    return await asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
+
+
+def check_peft(
+    backend: TransformersGenerator,
+    results: list[list[Choice]],
+    requests: list[Adapted],
+    peft_greedy,
+) -> None:
+    """Each choice's tokens are PEFT's, up to where PEFT's ``generate`` stopped: its own
+    length, or an end-of-sequence token (the requests ignore it and go on)."""
+    for (ids, adapter, params), choices in zip(requests, results, strict=True):
+        expected = peft_greedy(ids, adapter)[: params.max_tokens]
+        assert len(expected) == params.max_tokens or expected[-1] in backend.eos_token_ids
+        got = [choice.token_ids[: len(expected)] for choice in choices]
+        assert got == [expected] * params.n, adapter
+
+
+@pytest.mark.parametrize("adapter", ["sql", None])
+async def test_prompts_of_the_running_rows_adapter_are_fed_in_their_step(
+    served, peft_greedy, adapter
+) -> None:
+    """While every running row and the joining request have one adapter (or all the base
+    model), the request's prompt is fed in the rows' decode step, one PEFT forward with that
+    adapter; each request gets PEFT's tokens."""
+    assert served.mixes
+    short, shorter = prompt(served, PROMPTS[1])[:8], prompt(served, PROMPTS[0])[:5]
+    requests: list[Adapted] = [
+        (prompt(served, PROMPTS[2]), adapter, GREEDY),  # 14 tokens: fed in parts of 8
+        (short, adapter, GREEDY),  # the next two within the 8 prompt tokens of a step
+        (shorter, adapter, SamplingParams(n=2, temperature=0, max_tokens=9)),
+    ]
+    with peft_forwards(served, slow=True) as forwards:
+        results = await staggered(served, requests)
+    check_peft(served, results, requests, peft_greedy)
+    packed = [(names, lengths) for names, lengths in forwards if lengths]
+    name = adapter or BASE
+    assert packed == [([name], [len(short)]), ([name], [len(shorter)])]
+
+
+async def test_a_prompt_of_another_adapter_than_the_running_rows_runs_apart(
+    served, peft_greedy
+) -> None:
+    """PEFT takes one adapter per batch row, and a packed forward is one row: a request whose
+    adapter is not every running row's runs its prompt in a forward of its own, then its rows
+    join the batch; once the rows' adapters differ, no prompt is fed in their steps."""
+    requests: list[Adapted] = [
+        (prompt(served, PROMPTS[1]), "sql", GREEDY),
+        (prompt(served, PROMPTS[0]), "chat", GREEDY),
+        (prompt(served, PROMPTS[1]), None, SamplingParams(temperature=0, max_tokens=8)),
+        (prompt(served, PROMPTS[0]), "sql", SamplingParams(temperature=0, max_tokens=6)),
+    ]
+    with peft_forwards(served, slow=True) as forwards:
+        results = await staggered(served, requests)
+    check_peft(served, results, requests, peft_greedy)
+    assert not [lengths for _, lengths in forwards if lengths]
+    assert any({"sql", "chat", BASE} <= set(names) for names, _ in forwards)
 
 
 def test_no_cuda_graphs_are_recorded_with_adapters() -> None:
