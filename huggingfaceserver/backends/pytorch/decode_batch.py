@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -52,12 +51,12 @@ class DecodeBatch(ABC):
         """Each row's adapter (PEFT's name; :data:`~.adapters.BASE` for none), in the order of
         the rows of the next forward; used only with ``lora``."""
 
-    def _call(self, **inputs: Any) -> Any:
-        """The model's forward, through PEFT with each row's adapter when adapters are
-        loaded."""
+    def _call(self, row_adapters: list[str] | None = None, /, **inputs: Any) -> Any:
+        """The model's forward, through PEFT with each row's adapter (``row_adapters``, else
+        :attr:`adapters`) when adapters are loaded."""
         if self.lora is None:
             return self.model(**inputs)
-        return self.lora.forward(self.adapters, **inputs)
+        return self.lora.forward(row_adapters or self.adapters, **inputs)
 
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -473,9 +472,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
             keep = torch.cat([torch.arange(rows, device=self.device), ends])
             layout = MixedColumns(rows, column, lengths)
             attention = MixedAttention(layout, cache.start, mask)
-            packed = self.model if self.lora is None else partial(self.lora.forward, [name])
             with cache.mixing(layout):
-                output = packed(
+                output = self._call(
+                    [name],  # the packed sequence is one batch row
                     input_ids=ids[None],
                     position_ids=positions[None],
                     attention_mask=mask.new_zeros(1, 1, ids.shape[0], 1),  # taken as given
