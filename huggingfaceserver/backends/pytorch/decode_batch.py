@@ -25,8 +25,10 @@ adapter: a packed forward is one batch row, and PEFT takes one adapter per row.
 from __future__ import annotations
 
 import inspect
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,9 +37,29 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from .adapters import LoraAdapters, row_adapter
-from .kv_cache import MixedColumns, ReservedCache, full_attention_layers
+from .kv_cache import MixedColumns, PartColumns, ReservedCache, full_attention_layers
 from .ragged import MIXED, MixedAttention, agree, enable_mixed_steps
 from .step_graphs import StepGraphs
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """The next part of a prompt fed in parts, to feed in another batch's decode step
+    (:meth:`DecodeBatch.step_mixing`), as :meth:`DecodeBatch.prefill_part` would feed it."""
+
+    batch: DecodeBatch
+    """The prompt's own batch, of one row until :meth:`DecodeBatch.finish_prefill`."""
+    ids: list[int]
+    start: int
+    """The position of the part's first token (0: the prompt's first part)."""
+    every_position: bool = False
+    """Keep the logits of every position of the part (:meth:`DecodeBatch.score_part`), else
+    of its last."""
+
+    @property
+    def kept(self) -> int:
+        """The logits rows the part gives."""
+        return len(self.ids) if self.every_position else 1
 
 
 class DecodeBatch(ABC):
@@ -146,11 +168,14 @@ class DecodeBatch(ABC):
         prompts: list[list[int]],
         copies: list[int] | None = None,
         adapter: str | None = None,
+        parts: Sequence[PromptPart] = (),
     ) -> torch.Tensor:
         """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, prompt
-        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows, with
-        LoRA ``adapter`` (None: the base model): the logits ``[rows + sum(copies), V]``. Only
-        where :meth:`mixes_for` that adapter."""
+        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows, and
+        the next part of each prompt fed in parts (``parts``: each into its own batch, as
+        :meth:`prefill_part` or :meth:`score_part` would), with LoRA ``adapter`` (None: the
+        base model): the logits ``[rows + sum(copies) + sum(part.kept), V]``, the parts' last.
+        Only where :meth:`mixes_for` that adapter."""
         raise NotImplementedError(f"{type(self).__name__}'s decode steps take no prompts")
 
     def mixes_for(self, adapter: str | None) -> bool:
@@ -447,31 +472,52 @@ class ReservedCausalLMBatch(CausalLMBatch):
         prompts: list[list[int]],
         copies: list[int] | None = None,
         adapter: str | None = None,
+        parts: Sequence[PromptPart] = (),
     ) -> torch.Tensor:
         """A decode step that also feeds ``prompts`` (each run once, in a row of its own, then
-        repeated to ``copies[i]`` rows joining this batch after its rows), in one forward
+        repeated to ``copies[i]`` rows joining this batch after its rows) and ``parts`` (each
+        into its prompt's own batch, after the parts fed before), in one forward
         (:mod:`.ragged`; only where :meth:`mixes_for` ``adapter``, the LoRA adapter of every
-        row and prompt): the logits ``[rows + sum(copies), V]``, the running rows' next tokens
-        then each prompt's first, per copy. A forward that raises leaves the batch as it was."""
+        row, prompt and part): the logits ``[rows + sum(copies) + sum(part.kept), V]``, the
+        running rows' next tokens, then each prompt's first, per copy, then each part's. A
+        forward that raises leaves the batches as they were."""
         if not self.mixes_for(adapter):
-            return super().step_mixing(tokens, prompts, copies, adapter)
+            return super().step_mixing(tokens, prompts, copies, adapter, parts)
         name = row_adapter(adapter)
+        caches = [self._part_cache(part) for part in parts]
         cache = self.cache
         lengths = tuple(len(prompt) for prompt in prompts)
-        rows = cache.open_rows(lengths)
+        rows = cache.open_rows(lengths) if lengths else cache.rows
         try:
             cache.reserve(1)
+            part_masks = []
+            for own, part in zip(caches, parts, strict=True):
+                own.reserve(len(part.ids), 1 if part.start == 0 else None)
+                part_masks.append(self._part_mask(own, len(part.ids)))
             column = cache.end
             mask = cache.step_mask(self.model.dtype)[:rows]
-            fed = self._ids([[token for prompt in prompts for token in prompt]]).view(-1)
-            ids = torch.cat([self._column(tokens).view(-1), fed])
+            fed = [token for prompt in prompts for token in prompt]
+            fed += [token for part in parts for token in part.ids]
+            ids = torch.cat([self._column(tokens).view(-1), self._ids([fed]).view(-1)])
+            starts = [0] * len(prompts) + [part.start for part in parts]
+            counts = [*lengths, *(len(part.ids) for part in parts)]
             positions = torch.cat(
-                [self.positions, *(torch.arange(n, device=self.device) for n in lengths)]
+                [
+                    self.positions,
+                    *(
+                        torch.arange(first, first + count, device=self.device)
+                        for first, count in zip(starts, counts, strict=True)
+                    ),
+                ]
             )
-            ends = torch.tensor(lengths, device=self.device).cumsum(0) + (rows - 1)
-            keep = torch.cat([torch.arange(rows, device=self.device), ends])
-            layout = MixedColumns(rows, column, lengths)
-            attention = MixedAttention(layout, cache.start, mask)
+            keep = self._kept(rows, lengths, parts)
+            layout = MixedColumns(
+                rows,
+                column,
+                lengths,
+                tuple(PartColumns(own, len(p.ids)) for own, p in zip(caches, parts, strict=True)),
+            )
+            attention = MixedAttention(layout, cache.start, mask, tuple(part_masks))
             with cache.mixing(layout):
                 output = self._call(
                     [name],  # the packed sequence is one batch row
@@ -489,10 +535,16 @@ class ReservedCausalLMBatch(CausalLMBatch):
             cache.close_rows(rows)
             raise RuntimeError(f"{type(self.model).__name__} replaced the KV cache it was given")
         cache.advance(1)
-        self.positions = torch.cat([self.positions + 1, torch.tensor(lengths, device=self.device)])
+        for own, part in zip(caches, parts, strict=True):
+            own.advance(len(part.ids))
+            part.batch.adapters = [name]
+        opened = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.positions = torch.cat([self.positions + 1, opened])
         logits = output.logits[0]
         if not self.extra:
             logits = logits.index_select(0, keep)
+        joined = rows + len(prompts)
+        logits, of_parts = logits[:joined], logits[joined:]
         if copies is not None and any(count != 1 for count in copies):
             index = list(range(rows)) + [
                 row for row, count in enumerate(copies, start=rows) for _ in range(count)
@@ -502,7 +554,41 @@ class ReservedCausalLMBatch(CausalLMBatch):
             self.positions = self.positions.index_select(0, repeat)
             logits = logits.index_select(0, repeat)
         self.adapters = self.adapters + [name] * (cache.rows - rows)
-        return logits
+        return torch.cat([logits, of_parts]) if parts else logits
+
+    def _part_cache(self, part: PromptPart) -> ReservedCache:
+        """The cache a part is fed into: its prompt's own batch's, of one row."""
+        batch = part.batch
+        if not isinstance(batch, ReservedCausalLMBatch) or batch.lora is not self.lora:
+            raise TypeError("a prompt's part joins a decode step of a batch like its own only")
+        if part.start and batch.cache.rows != 1:
+            raise ValueError("a prompt's later part is fed after its first, into one row")
+        return batch.cache
+
+    def _part_mask(self, cache: ReservedCache, tokens: int) -> torch.Tensor | None:
+        """After ``cache`` reserved a part's ``tokens``: where each of them attends, over the
+        columns the prompt holds and the part's own (None: a first part, causal as is)."""
+        held = cache.end - cache.start
+        if not held:
+            return None
+        columns = torch.arange(held + tokens, device=self.device)
+        return (columns[None] <= torch.arange(held, held + tokens, device=self.device)[:, None])[
+            None, None
+        ]
+
+    def _kept(
+        self, rows: int, lengths: tuple[int, ...], parts: Sequence[PromptPart]
+    ) -> torch.Tensor:
+        """The positions of a packed forward whose logits are kept: every decode row's, each
+        prompt's last, each part's last (or every one, :attr:`PromptPart.every_position`)."""
+        ends = [rows - 1 + end for end in itertools.accumulate(lengths)]
+        kept = list(range(rows)) + ends
+        offset = rows + sum(lengths)
+        for part in parts:
+            count = len(part.ids)
+            kept += range(offset + count - part.kept, offset + count)
+            offset += count
+        return torch.tensor(kept, device=self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -584,14 +670,16 @@ def takes_ready_masks(model: PreTrainedModel, cache_layers: int) -> bool:
 
 
 def mixes_prompts(model: PreTrainedModel, cache_layers: int) -> bool:
-    """Whether the model's decode steps can feed new prompts (:mod:`.ragged`), switching its
-    attention to the one that packs them where they can: probed once, at load, on two
-    left-padded rows stepping while a prompt wider than their columns joins, then all three
-    stepping, against the same forwards run apart."""
+    """Whether the model's decode steps can feed new prompts and prompts' parts
+    (:mod:`.ragged`), switching its attention to the one that packs them where they can:
+    probed once, at load, on two left-padded rows stepping while a prompt wider than their
+    columns joins and a prompt fed in parts gets its second part (every position's logits
+    kept), then all four rows stepping, against the same forwards run apart."""
     vocab = int(model.config.get_text_config().vocab_size)
-    running, joining = (
+    running, joining, parted = (
         [[1 % vocab, 2 % vocab, 3 % vocab], [4 % vocab]],
         [(7 + i) % vocab for i in range(6)],
+        [(11 + i) % vocab for i in range(7)],
     )
 
     def batch(mixes: bool = False) -> ReservedCausalLMBatch:
@@ -604,15 +692,26 @@ def mixes_prompts(model: PreTrainedModel, cache_layers: int) -> bool:
 
     def mixed() -> bool:
         apart, alone, packed = batch(), batch(), batch(mixes=True)
+        in_parts, in_parts_alone = batch(), batch()
         apart.prefill_together(running, [1, 1])
         alone_first = alone.prefill(joining, 1)[0]
         apart_first = apart.step([5 % vocab, 6 % vocab])
+        in_parts_alone.prefill_part(parted[:3], 0)
+        part_scores = in_parts_alone.score_part(parted[3:], 3)
         packed.prefill_together(running, [1, 1])
-        first = packed.step_mixing([5 % vocab, 6 % vocab], [joining])
-        expected = torch.cat([apart_first, alone_first])
+        in_parts.prefill_part(parted[:3], 0)
+        second = PromptPart(in_parts, parted[3:], 3, every_position=True)
+        first = packed.step_mixing([5 % vocab, 6 % vocab], [joining], parts=[second])
+        expected = torch.cat([apart_first, alone_first, part_scores])
         then = packed.step([8 % vocab, 9 % vocab, 10 % vocab])
         expected_then = torch.cat([apart.step([8 % vocab, 9 % vocab]), alone.step([10 % vocab])])
-        return agree(first, expected) and agree(then, expected_then)
+        for done in (in_parts, in_parts_alone):
+            done.finish_prefill(len(parted), 1)
+        return (
+            agree(first, expected)
+            and agree(then, expected_then)
+            and agree(in_parts.step([12 % vocab]), in_parts_alone.step([12 % vocab]))
+        )
 
     return enable_mixed_steps(model, plain, mixed)
 

@@ -5,13 +5,16 @@ first served, while the running rows stay within ``max_rows``): the prompts of t
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; requests that score their prompts apart from the others, in
 groups of a bounded size), then their rows join the running batch. Where the running
-batch's model allows it (:mod:`.ragged`), the prompts of requests admitted while it runs (on
-the base model, not scored, at most ``part_tokens`` prompt tokens a step) are fed in its
-next decode step's own forward instead, their rows joining it there: admitting them costs
-the running rows no forward of their own. A prompt longer than ``part_tokens``
-(``--prefill_chunk_tokens``) is fed in parts instead, at most that many prompt tokens a
-turn, the running rows stepping between the parts: a long prompt delays the others' next
-tokens by one part's forward, not by its whole prompt's (chunked prefill, as vLLM's).
+batch's model allows it (:mod:`.ragged`), the prompts of requests admitted while it runs
+(with the running rows' LoRA adapter, not scored, at most ``part_tokens`` prompt tokens a
+step) are fed in its next decode step's own forward instead, their rows joining it there:
+admitting them costs the running rows no forward of their own. A prompt longer than
+``part_tokens`` (``--prefill_chunk_tokens``) is fed in parts instead, at most that many
+prompt tokens a turn, into a batch of its own until it is all in (chunked prefill, as
+vLLM's): each part in the running rows' decode step where that batch's model allows it
+(with the running rows' adapter; a scored prompt's parts too, every position's logits kept),
+else in a forward of its own between their steps. A long prompt delays the others' next
+tokens by one part's forward, not by its whole prompt's.
 Every step then feeds all running rows at once (each row's last token, kept on the device);
 the rows' :class:`~.sampling.SamplingBatch` (made when the rows change)
 chooses every row's next token with its own settings in one pass, copying to the host once,
@@ -45,7 +48,7 @@ from ...generation.params import ChoiceDelta, TokenLogprob
 from ...observability.metrics import DecodeLoopMetrics, Timeline
 from ..loop_calls import deferred
 from ..worker_calls import WorkerCalls
-from .decode_batch import DecodeBatch
+from .decode_batch import DecodeBatch, PromptPart
 from .logits import prompt_token_logprobs
 from .sampling import SamplingBatch
 from .sequence import SequenceState, advance
@@ -106,6 +109,10 @@ class Prefilling:
     fed: int = 0
     scores: list[TokenLogprob | None] = field(default_factory=list)
     """The prompt logprobs of the tokens fed so far, when the request scores its prompt."""
+
+
+FedPart = tuple[Prefilling, int]
+"""A prompt fed in parts, and how many of its tokens this turn feeds."""
 
 
 @dataclass(eq=False)
@@ -222,9 +229,14 @@ class ContinuousBatcher:
                 joining, whole = self._mixable(whole)
                 for requests in prefill_groups(whole):
                     self._start(requests)
-                self._feed_parts()
+                packed, alone = self._packable(self._parts())
+                self._feed_alone(alone)
+                first = self.running[0] if self.running else None
                 for group in list(self.running):
-                    self._step(group, joining if group is self.running[0] else [])
+                    if group is first:
+                        self._step(group, joining, packed)
+                    else:
+                        self._step(group)
         self._stop()
 
     def _stop(self) -> None:
@@ -346,11 +358,20 @@ class ContinuousBatcher:
             self.running.append(group)
 
     def _begin_in_parts(self, admitted: list[DecodeRequest]) -> list[DecodeRequest]:
-        """Set aside the admitted requests whose prompt is fed in parts (longer than a part,
-        on a model that allows it); the others, whose prompts run whole."""
+        """Set aside the admitted requests whose prompt is fed in parts, on a model that
+        allows it: a prompt longer than a part, and a scored prompt that the running rows'
+        decode step can feed (as one part: its forward keeps every position's logits, which
+        a prompt joining the rows' own cache does not); the others, whose prompts run
+        whole."""
         whole = []
+        running = self.running[0].batch if self.running else None
         for request in admitted:
-            if len(request.prompt_ids) > self.part_tokens:
+            scored_beside = (
+                request.prompt_logprobs is not None
+                and running is not None
+                and running.mixes_for(request.adapter)
+            )
+            if len(request.prompt_ids) > self.part_tokens or scored_beside:
                 batch = self.new_batch()
                 if batch.prefills_in_parts:
                     self.prefilling.append(Prefilling(request, batch))
@@ -383,90 +404,136 @@ class ContinuousBatcher:
                 others.append(request)
         return joining, others
 
-    def _feed_parts(self) -> None:
-        """At most :attr:`part_tokens` prompt tokens of the requests fed in parts, first come
-        first served; a request whose prompt is all in joins the running batch. A part that
-        fails fails its request alone."""
+    def _parts(self) -> list[FedPart]:
+        """This turn's parts of the prompts fed in parts: at most :attr:`part_tokens` prompt
+        tokens, first come first served (a request whose consumer left ends here)."""
         budget = self.part_tokens
-        while budget and self.prefilling:
-            part = self.prefilling[0]
-            request, prompt = part.request, part.request.prompt_ids
+        parts: list[FedPart] = []
+        for part in list(self.prefilling):
+            if not budget:
+                break
+            request = part.request
             if request.cancelled.is_set():
-                self.prefilling.popleft()
+                self.prefilling.remove(part)
                 self._end(request, None)
                 continue
-            take = min(budget, len(prompt) - part.fed)
+            take = min(budget, len(request.prompt_ids) - part.fed)
+            parts.append((part, take))
+            budget -= take
+        return parts
+
+    def _packable(self, parts: list[FedPart]) -> tuple[list[FedPart], list[FedPart]]:
+        """The parts the first running batch's next decode step feeds (its model allows it,
+        with the LoRA adapter of every running row), and the others."""
+        if not self.running:
+            return [], parts
+        batch = self.running[0].batch
+        packed = [fed for fed in parts if batch.mixes_for(fed[0].request.adapter)]
+        return packed, [fed for fed in parts if not batch.mixes_for(fed[0].request.adapter)]
+
+    def _feed_alone(self, parts: list[FedPart]) -> None:
+        """Feed these parts, each in a forward of its own (nothing running takes them)."""
+        for part, take in parts:
             try:
                 logits = self._feed_part(part, take)
-                part.fed += take
-                budget -= take
-                if part.fed == len(prompt):
-                    part.batch.finish_prefill(len(prompt), len(request.rows))
             except Exception as exc:  # its request fails, not the loop
-                self.prefilling.popleft()
-                self._end(request, exc)
+                self.prefilling.remove(part)
+                self._end(part.request, exc)
                 continue
-            if part.fed == len(prompt):
-                self.prefilling.popleft()
-                scored = {request: part.scores} if part.scores else None
-                self._join([request], part.batch, logits.expand(len(request.rows), -1), scored)
+            self._fed(part, take, logits)
 
     def _feed_part(self, part: Prefilling, take: int) -> torch.Tensor:
-        """Feed the next ``take`` tokens of a prompt fed in parts: the next-token logits after
-        them ``[V]``; the logprobs of the part's prompt tokens go to :attr:`Prefilling.scores`
-        when the request scores its prompt (a part's logits ``[take, V]`` at most held)."""
+        """Feed the next ``take`` tokens of a prompt fed in parts, in a forward of its own:
+        the logits after the part's last token ``[V]``, or after every one of them
+        ``[take, V]`` when the request scores its prompt."""
+        request, start = part.request, part.fed
+        ids = request.prompt_ids[start : start + take]
+        feed = part.batch.prefill_part if request.prompt_logprobs is None else part.batch.score_part
+        return self.threads.run(prefill_bucket(take), partial(feed, ids, start, request.adapter))
+
+    def _fed(self, part: Prefilling, take: int, logits: torch.Tensor) -> None:
+        """After the forward that fed a part (its logits as :meth:`_feed_part` returns them):
+        the logprobs of its prompt tokens go to :attr:`Prefilling.scores` when the request
+        scores its prompt; a request whose prompt is all in joins the running batch. What
+        fails here fails the request alone."""
         request, start = part.request, part.fed
         prompt = request.prompt_ids
-        ids = prompt[start : start + take]
-        num_top = request.prompt_logprobs
-        if num_top is None:
-            return self.threads.run(
-                prefill_bucket(take), partial(part.batch.prefill_part, ids, start, request.adapter)
-            )
-        every = self.threads.run(
-            prefill_bucket(take), partial(part.batch.score_part, ids, start, request.adapter)
-        )
         last = start + take == len(prompt)
-        # position i predicts token i + 1: up to the next part's first token, or the prompt's end
-        targets = prompt[start : start + take + (0 if last else 1)]
-        scores = prompt_token_logprobs(every[:-1] if last else every, targets, num_top)
-        part.scores += scores if start == 0 else scores[1:]  # [0]: None, the part's first
-        return every[-1]
+        try:
+            num_top = request.prompt_logprobs
+            if num_top is not None:
+                # position i predicts token i + 1: up to the next part's first, or the end
+                targets = prompt[start : start + take + (0 if last else 1)]
+                scores = prompt_token_logprobs(logits[:-1] if last else logits, targets, num_top)
+                part.scores += scores if start == 0 else scores[1:]  # [0]: None, the first
+                logits = logits[-1]
+            part.fed += take
+            if last:
+                part.batch.finish_prefill(len(prompt), len(request.rows))
+        except Exception as exc:  # its request fails, not the loop
+            self.prefilling.remove(part)
+            self._end(request, exc)
+            return
+        if last:
+            self.prefilling.remove(part)
+            scored = {request: part.scores} if part.scores else None
+            self._join([request], part.batch, logits.expand(len(request.rows), -1), scored)
 
-    def _step(self, group: Running, joining: list[DecodeRequest] | None = None) -> None:
-        """One decode step of a batch, feeding the prompts of the ``joining`` requests in the
-        same forward (:meth:`~.decode_batch.DecodeBatch.step_mixing`), whose rows then join
-        the batch. A forward that fails is retried with each request's rows apart
-        (:meth:`_retry_apart`), after the joining requests' prompts ran on their own
-        (:meth:`_start`); anything else that fails ends the batch's requests."""
-        joining = joining or []
+    def _step(
+        self,
+        group: Running,
+        joining: list[DecodeRequest] | None = None,
+        parts: list[FedPart] | None = None,
+    ) -> None:
+        """One decode step of a batch, feeding the prompts of the ``joining`` requests and the
+        next ``parts`` of prompts fed in parts in the same forward
+        (:meth:`~.decode_batch.DecodeBatch.step_mixing`): the joining requests' rows then join
+        the batch, as do those of a prompt whose last part it was. A forward that fails is
+        retried with each request's rows apart (:meth:`_retry_apart`), after the joining
+        requests' prompts and the parts ran on their own (:meth:`_start`,
+        :meth:`_feed_alone`); anything else that fails ends the batch's requests."""
+        joining, parts = joining or [], parts or []
         try:
             inputs = group.inputs()
-            if joining:
+            if joining or parts:
                 prompts = [request.prompt_ids for request in joining]
                 copies = [len(request.rows) for request in joining]
-                adapter = joining[0].adapter  # every joining request's (_mixable)
+                fed = [
+                    PromptPart(
+                        part.batch,
+                        part.request.prompt_ids[part.fed : part.fed + take],
+                        part.fed,
+                        every_position=part.request.prompt_logprobs is not None,
+                    )
+                    for part, take in parts
+                ]
+                # every joining request's and part's (_mixable, _packable)
+                adapter = (joining[0] if joining else parts[0][0].request).adapter
+                tokens = len(group.rows) + sum(map(len, prompts)) + sum(t for _, t in parts)
                 logits = self.threads.run(
-                    prefill_bucket(len(group.rows) + sum(map(len, prompts))),
-                    lambda: group.batch.step_mixing(inputs, prompts, copies, adapter),
+                    prefill_bucket(tokens),
+                    lambda: group.batch.step_mixing(inputs, prompts, copies, adapter, fed),
                 )
             else:
                 logits = self.threads.run(
                     decode_bucket(len(group.rows)), lambda: group.batch.step(inputs)
                 )
         except Exception as exc:
-            if joining:  # as before prompts joined decode steps: each apart, then the step
+            if joining or parts:  # as before prompts joined decode steps: each apart
                 logger.warning(
                     "a decode step feeding %d prompts failed (%r): running them apart",
-                    len(joining),
+                    len(joining) + len(parts),
                     exc,
                 )
                 for request in joining:
                     self._start([request])
+                self._feed_alone(parts)
                 self._step(group)
             else:
                 self._retry_apart(group, exc)
             return
+        stepping = len(group.rows) + sum(len(request.rows) for request in joining)
+        logits, of_parts = logits[:stepping], logits[stepping:]
         group.rows += [row for request in joining for row in request.rows]
         group.owners += [request for request in joining for _ in request.rows]
         try:
@@ -477,10 +544,17 @@ class ContinuousBatcher:
                 self._end(request, exc)
             group.rows.clear()
             self.running.remove(group)
-            return
-        if not group.rows:
-            self.running.remove(group)
-            self.retire(group.batch)
+        else:
+            if not group.rows:
+                self.running.remove(group)
+                self.retire(group.batch)
+        for part, take in parts:  # each part's logits as _feed_part returns them
+            if part.request.prompt_logprobs is None:
+                self._fed(part, take, of_parts[0])
+                of_parts = of_parts[1:]
+            else:
+                self._fed(part, take, of_parts[:take])
+                of_parts = of_parts[take:]
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:
         """After a failed forward: each request's rows in a batch of their own, stepped again,

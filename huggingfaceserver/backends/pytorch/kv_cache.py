@@ -17,7 +17,9 @@ moving the kept ones up (:meth:`ReservedCache.select_rows`), once per finish, no
 New prompts may also be fed in a decode step's own forward (:mod:`.ragged`): their rows are
 opened empty (:meth:`ReservedCache.open_rows`) and, while the forward runs
 (:meth:`ReservedCache.mixing`), each layer writes the decode rows' one token at the step's
-column and each prompt's tokens into its own row, ending at that column.
+column and each prompt's tokens into its own row, ending at that column; the next part of a
+prompt fed in parts goes to that prompt's own one-row cache (:class:`PartColumns`), after the
+parts before it.
 
 A decode step's attention mask is handed to the model ready-made (:meth:`ReservedCache.step_mask`,
 ``[rows, 1, 1, columns]``, added to the attention scores): transformers then skips building one
@@ -52,15 +54,33 @@ MIN_GROWTH = 256
 
 
 @dataclass(frozen=True)
+class PartColumns:
+    """The next part of a prompt fed in parts, packed into another batch's forward: its
+    ``tokens`` go to the prompt's own one-row cache, after the columns that cache holds."""
+
+    cache: ReservedCache
+    tokens: int
+
+    def held(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values of the prompt so far, this part's included
+        (``[1, heads, tokens held, head_dim]``, views)."""
+        cache = self.cache
+        columns = slice(cache.start, cache.end + self.tokens)
+        own = cache.reserved_layers[layer]
+        return own.key_buffer[:1, :, columns], own.value_buffer[:1, :, columns]
+
+
+@dataclass(frozen=True)
 class MixedColumns:
     """Where a forward of decode rows and new prompts, packed into one sequence, writes: the
     first ``decoding`` tokens are the decode rows' (rows ``0..decoding``, at column
     ``column``), then each prompt's tokens in order, prompt ``i`` in row ``decoding + i``,
-    its last token at ``column``."""
+    its last token at ``column``; then each of ``parts``' tokens, in its own cache."""
 
     decoding: int
     column: int
     lengths: tuple[int, ...]
+    parts: tuple[PartColumns, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,8 +107,10 @@ class ReservedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, cache: ReservedCache):
+    def __init__(self, cache: ReservedCache, index: int):
         super().__init__()
+        self.index = index
+        """The layer's place in its cache (the model's layer index)."""
         self.owner = weakref.ref(cache)
         """Weak: a cache and its layers in a reference cycle would outlive their batch until
         the cyclic garbage collector's next full pass, their buffers with them (the generation
@@ -147,15 +169,26 @@ class ReservedLayer(CacheLayerMixin):
         self, mixed: MixedColumns, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> None:
         """A packed forward's keys and values (``[1, heads, tokens, head_dim]``) into their
-        rows: the decode rows' at the step's column, each prompt's ending there."""
+        rows: the decode rows' at the step's column, each prompt's ending there, each part's
+        after the columns its own cache holds."""
         column, rows = mixed.column, mixed.decoding
         for buffer, states in ((self.key_buffer, key_states), (self.value_buffer, value_states)):
             buffer[:rows, :, column] = states[0, :, :rows].transpose(0, 1)
             offset = rows
             for row, length in enumerate(mixed.lengths, start=rows):
-                part = states[0, :, offset : offset + length]
-                buffer[row, :, column + 1 - length : column + 1] = part
+                prompt = states[0, :, offset : offset + length]
+                buffer[row, :, column + 1 - length : column + 1] = prompt
                 offset += length
+        for part in mixed.parts:
+            own = part.cache.reserved_layers[self.index]
+            stop = offset + part.tokens
+            keys, values = key_states[:, :, offset:stop], value_states[:, :, offset:stop]
+            if not own.is_initialized:
+                own.lazy_initialization(keys, values)
+            columns = slice(part.cache.end, part.cache.end + part.tokens)
+            own.key_buffer[:1, :, columns] = keys
+            own.value_buffer[:1, :, columns] = values
+            offset = stop
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.end - self.cache.start + query_length, 0
@@ -209,7 +242,7 @@ class ReservedCache(Cache):
         """Set while a forward runs over the whole buffers (:meth:`writing_at`)."""
         self.mixed: MixedColumns | None = None
         """Set while a packed forward of decode rows and prompts runs (:meth:`mixing`)."""
-        self.reserved_layers = [ReservedLayer(self) for _ in range(num_layers)]
+        self.reserved_layers = [ReservedLayer(self, index) for index in range(num_layers)]
         """:attr:`layers`, typed as what they are."""
         super().__init__(layers=list(self.reserved_layers))
 

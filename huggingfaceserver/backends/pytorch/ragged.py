@@ -9,11 +9,15 @@ with its own position, and the step's forward runs it once:
 
 - the reserved cache (:meth:`~.kv_cache.ReservedCache.mixing`) writes each token's keys and
   values into its row: the decode rows' at the step's column, each prompt's into a row opened
-  for it (:meth:`~.kv_cache.ReservedCache.open_rows`), ending at that column;
+  for it (:meth:`~.kv_cache.ReservedCache.open_rows`), ending at that column; the next part of
+  a long prompt fed in parts (chunked prefill) goes to that prompt's own one-row cache, after
+  the parts fed before it;
 - the attention, registered with transformers' public :class:`~transformers.AttentionInterface`
   under :data:`RAGGED`, attends each part over its own row's columns: the decode rows as the
-  decode step would (its ready mask, batched), each prompt causally over its own tokens; every
-  part through transformers' SDPA attention, so the results are the separate forwards' own;
+  decode step would (its ready mask, batched), each prompt causally over its own tokens, a
+  prompt's part causally over its prompt's tokens so far (its layer's keys and values found by
+  the attention module's ``layer_idx``, the index it updates the cache with); every part
+  through transformers' SDPA attention, so the results are the separate forwards' own;
 - every other forward (prefills, plain decode steps, recorded graphs) goes straight to SDPA.
 
 Whether a model runs this way is decided at load (:func:`enable_mixed_steps`): its attention is
@@ -61,6 +65,10 @@ class MixedAttention:
     start: int
     mask: torch.Tensor
     """``[decoding, 1, 1, columns]``: the decode step's ready mask."""
+    part_masks: tuple[torch.Tensor | None, ...] = ()
+    """For each of ``columns.parts``: ``[1, 1, tokens, tokens held]``, True where a token of
+    the part attends (causal after every token held before it); None for a prompt's first
+    part (causal over its own tokens)."""
 
 
 def ragged_attention(
@@ -104,7 +112,23 @@ def ragged_attention(
         )
         parts.append(out)
         offset += length
+    layer = layer_index(module) if mixed.columns.parts else 0
+    for part, mask in zip(mixed.columns.parts, mixed.part_masks, strict=True):
+        keys, values = part.held(layer)
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, offset : offset + part.tokens], keys, values, mask, **kwargs
+        )
+        parts.append(out)
+        offset += part.tokens
     return torch.cat(parts, dim=1), None
+
+
+def layer_index(module: torch.nn.Module) -> int:
+    """The attention module's layer: the index it updates the KV cache with."""
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int):
+        raise TypeError(f"{type(module).__name__} has no layer index to find its keys by")
+    return index
 
 
 def register() -> None:

@@ -80,18 +80,20 @@ def peft_greedy(tiny_models, adapter_dirs) -> Callable[[list[int], str | None], 
 @contextmanager
 def peft_forwards(
     backend: TransformersGenerator, slow: bool = False
-) -> Iterator[list[tuple[list[str], list[int]]]]:
-    """Each PEFT forward made inside the block: its ``adapter_names`` and the lengths of the
-    prompts it fed in a decode step (none for any other forward). ``slow``: every forward
-    takes a little longer, so that later requests reliably find earlier ones still running."""
-    seen: list[tuple[list[str], list[int]]] = []
+) -> Iterator[list[tuple[list[str], list[int], list[int]]]]:
+    """Each PEFT forward made inside the block: its ``adapter_names``, the lengths of the
+    prompts it fed in a decode step and the tokens of the prompts' parts it fed there (none
+    for any other forward). ``slow``: every forward takes a little longer, so that later
+    requests reliably find earlier ones still running."""
+    seen: list[tuple[list[str], list[int], list[int]]] = []
 
     def record(_module, _args, kwargs) -> None:
         if slow:
             threading.Event().wait(0.005)
         mixed = kwargs.get(MIXED)
         lengths = [] if mixed is None else [*mixed.columns.lengths]
-        seen.append((list(kwargs["adapter_names"]), lengths))
+        parts = [] if mixed is None else [part.tokens for part in mixed.columns.parts]
+        seen.append((list(kwargs["adapter_names"]), lengths, parts))
 
     assert backend.lora is not None
     handle = backend.lora.peft_model.register_forward_pre_hook(record, with_kwargs=True)
@@ -118,7 +120,7 @@ async def test_two_adapters_and_the_base_model_share_the_batch(served, peft_gree
     """Requests of both adapters and of the base model at once, some of several choices,
     some stopping early (their rows dropped), one prompt fed in parts: each equals PEFT."""
     requests = [
-        (prompt(served, PROMPTS[2]), "sql", GREEDY),  # 14 tokens: fed in parts of 8
+        (prompt(served, PROMPTS[2]), "sql", GREEDY),  # fed in parts of 8
         (prompt(served, PROMPTS[1]), None, GREEDY),
         (prompt(served, PROMPTS[0]), "chat", SamplingParams(n=2, temperature=0, max_tokens=5)),
         (prompt(served, PROMPTS[1]), "chat", GREEDY),
@@ -133,7 +135,7 @@ async def test_two_adapters_and_the_base_model_share_the_batch(served, peft_gree
     for (ids, adapter, params), choices in zip(requests, results, strict=True):
         expected = peft_greedy(ids, adapter)[: params.max_tokens]
         assert [choice.token_ids for choice in choices] == [expected] * params.n, adapter
-    assert any({BASE, *ADAPTERS} <= set(names) for names, _ in forwards)  # one mixed forward
+    assert any({BASE, *ADAPTERS} <= set(names) for names, _, _ in forwards)  # one mixed
 
 
 Adapted = tuple[list[int], str | None, SamplingParams]
@@ -187,16 +189,38 @@ async def test_prompts_of_the_running_rows_adapter_are_fed_in_their_step(
     assert served.mixes
     short, shorter = prompt(served, PROMPTS[1])[:8], prompt(served, PROMPTS[0])[:5]
     requests: list[Adapted] = [
-        (prompt(served, PROMPTS[2]), adapter, GREEDY),  # 14 tokens: fed in parts of 8
+        (prompt(served, PROMPTS[2]), adapter, GREEDY),  # fed in parts of 8
         (short, adapter, GREEDY),  # the next two within the 8 prompt tokens of a step
         (shorter, adapter, SamplingParams(n=2, temperature=0, max_tokens=9)),
     ]
     with peft_forwards(served, slow=True) as forwards:
         results = await staggered(served, requests)
     check_peft(served, results, requests, peft_greedy)
-    packed = [(names, lengths) for names, lengths in forwards if lengths]
+    packed = [(names, lengths) for names, lengths, _ in forwards if lengths]
     name = adapter or BASE
     assert packed == [([name], [len(short)]), ([name], [len(shorter)])]
+
+
+async def test_a_long_prompt_of_the_running_rows_adapter_is_fed_in_their_steps(
+    served, peft_greedy
+) -> None:
+    """Its parts are fed in the running rows' decode steps (one PEFT forward with their
+    adapter each); a long prompt of another adapter is fed in parts of its own; each request
+    gets PEFT's tokens."""
+    long = prompt(served, PROMPTS[2])  # fed in parts of 8
+    whole, rest = divmod(len(long), 8)
+    assert whole > 1
+    requests: list[Adapted] = [
+        (prompt(served, PROMPTS[1])[:6], "sql", SamplingParams(temperature=0, max_tokens=40)),
+        (long, "sql", GREEDY),
+        (long, "chat", GREEDY),
+    ]
+    with peft_forwards(served, slow=True) as forwards:
+        results = await staggered(served, requests)
+    check_peft(served, results, requests, peft_greedy)
+    in_steps = [(names, parts) for names, _, parts in forwards if parts]
+    assert in_steps == [(["sql"], [8])] * whole + ([(["sql"], [rest])] if rest else [])
+    assert not [lengths for _, lengths, _ in forwards if lengths]
 
 
 async def test_a_prompt_of_another_adapter_than_the_running_rows_runs_apart(
@@ -214,8 +238,8 @@ async def test_a_prompt_of_another_adapter_than_the_running_rows_runs_apart(
     with peft_forwards(served, slow=True) as forwards:
         results = await staggered(served, requests)
     check_peft(served, results, requests, peft_greedy)
-    assert not [lengths for _, lengths in forwards if lengths]
-    assert any({"sql", "chat", BASE} <= set(names) for names, _ in forwards)
+    assert not [lengths for _, lengths, _ in forwards if lengths]
+    assert any({"sql", "chat", BASE} <= set(names) for names, _, _ in forwards)
 
 
 def test_no_cuda_graphs_are_recorded_with_adapters() -> None:

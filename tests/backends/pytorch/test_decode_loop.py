@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -652,51 +651,162 @@ def in_parts(tiny_models: dict[str, Path]) -> Iterator[TransformersGenerator]:
     backend.shutdown()
 
 
-async def test_a_long_prompt_is_fed_in_parts_while_the_running_rows_step(in_parts) -> None:
-    """A prompt of several parts joins a running request: a decode step of the running row
-    between every two parts, and both outputs as each request's alone (and as
-    ``generate``'s)."""
+@contextmanager
+def forwards(backend: TransformersGenerator) -> Iterator[list[tuple[int, int, tuple[int, ...]]]]:
+    """Every model forward inside the block: (rows, positions, part tokens) of its input ids,
+    the last the tokens of each prompt's part it fed in a decode step (packed forwards)."""
+    seen: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def record(_module, _args, kwargs) -> None:
+        rows, positions = kwargs["input_ids"].shape
+        mixed = kwargs.get(MIXED)
+        parts = () if mixed is None else tuple(p.tokens for p in mixed.columns.parts)
+        seen.append((int(rows), int(positions), parts))
+
+    handle = backend.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def in_parts_of(length: int, size: int) -> list[int]:
+    whole, rest = divmod(length, size)
+    return [size] * whole + ([rest] if rest else [])
+
+
+async def test_a_long_prompt_is_fed_in_parts_in_the_running_rows_steps(in_parts) -> None:
+    """A prompt of several parts joins a running request: each part is fed in the running
+    row's decode step (one forward for both, the row stepping every turn), and both outputs
+    are as each request's alone (and as ``generate``'s)."""
     backend = in_parts
     short = prompt(backend, "Hello")
     long = prompt(backend, PROMPTS[2])
-    whole, rest = divmod(len(long), 4)
     # The short request runs long enough that it is still running when the long one's parts
     # are fed, however late a busy machine lets the test start the long one.
     running = replace(GREEDY, max_tokens=256)
-    assert len(short) <= 4 and 2 + whole + 1 < GREEDY.max_tokens  # type: ignore[operator]
+    assert len(short) <= 4 and len(long) > 8
     requests: list[Prompted] = [(short, running), (long, replace(GREEDY, n=2))]
     expected = await alone(backend, requests)
-    with forward_shapes(backend) as shapes:
+    with forwards(backend) as seen:
         together = await staggered(backend, requests)
     assert tokens(together) == tokens(expected)
     until_eos = reference_greedy(backend, long, GREEDY.max_tokens or 0)
     assert together[1][0].token_ids[: len(until_eos)] == until_eos
-    assert shapes[0] == (1, len(short))  # the short prompt, whole
-    parts = [i for i, shape in enumerate(shapes) if i and shape[1] > 1]
-    assert [shapes[i] for i in parts] == [(1, 4)] * whole + ([(1, rest)] if rest else [])
-    for before, after in itertools.pairwise(parts):
-        assert after - before == 2 and shapes[before + 1] == (1, 1)  # the short row stepped
+    assert seen[0] == (1, len(short), ())  # the short prompt, whole
+    feeding = [forward for forward in seen[1:] if forward[1] > 1]
+    assert [parts for _, _, parts in feeding] == [(n,) for n in in_parts_of(len(long), 4)]
+    assert all(positions == 1 + sum(parts) for _, positions, parts in feeding)  # + the row
+    first = seen.index(feeding[0])
+    assert seen[first : first + len(feeding)] == feeding  # no step of the row alone between
+
+
+@asynccontextmanager
+async def row_decoding(backend: TransformersGenerator) -> AsyncIterator[None]:
+    """A short greedy request decodes (256 tokens) through the block, which starts once it
+    has received two steps."""
+    started = asyncio.Event()
+
+    async def decoding() -> None:
+        received = 0
+        async for _ in backend.generate(prompt(backend, "Hello"), replace(GREEDY, max_tokens=256)):
+            received += 1
+            if received == 2:
+                started.set()
+
+    task = asyncio.create_task(decoding())
+    await started.wait()
+    yield
+    await task
+
+
+async def test_a_long_scored_prompt_is_fed_in_the_running_rows_steps(in_parts, backends) -> None:
+    """A scored prompt's parts are fed in a running row's steps too, every position's logits
+    kept: the request gets the prompt logprobs and tokens of its prompt scored whole."""
+    backend, long = in_parts, prompt(in_parts, PROMPTS[2])
+    params = replace(GREEDY, prompt_logprobs=2, n=2)
+    expected_choices, expected_scores = await scored_run(backends("llama"), long, params)
+    with forwards(backend) as seen:
+        async with row_decoding(backend):
+            choices, scores = await scored_run(backend, long, params)
+    feeding = [(positions, parts) for _, positions, parts in seen[1:] if positions > 1]
+    assert feeding == [(1 + n, (n,)) for n in in_parts_of(len(long), 4)]
+    assert tokens([choices]) == tokens([expected_choices])
+    same_scores(scores, expected_scores, len(long))
+
+
+async def test_a_scored_prompt_admitted_while_rows_decode_is_fed_in_their_step(backends) -> None:
+    """Within a part's tokens, it is one part: one forward with the running row's step."""
+    backend = backends("llama")
+    ids = prompt(backend, PROMPTS[1])
+    params = replace(GREEDY, prompt_logprobs=1, n=2)
+    expected_choices, expected_scores = await scored_run(backend, ids, params)
+    with forwards(backend) as seen:
+        async with row_decoding(backend):
+            choices, scores = await scored_run(backend, ids, params)
+    feeding = [(positions, parts) for _, positions, parts in seen[1:] if positions > 1]
+    assert feeding == [(1 + len(ids), (len(ids),))]
+    assert tokens([choices]) == tokens([expected_choices])
+    same_scores(scores, expected_scores, len(ids))
+
+
+def same_scores(
+    got: list[TokenLogprob | None] | None, expected: list[TokenLogprob | None] | None, length: int
+) -> None:
+    """Prompt logprobs as the prompt scored whole gives them."""
+    assert got is not None and expected is not None
+    assert len(got) == len(expected) == length
+    assert got[0] is None and expected[0] is None
+    for one, want in zip(got[1:], expected[1:], strict=True):
+        assert one is not None and want is not None
+        assert (one.token_id, one.rank) == (want.token_id, want.rank)
+        assert one.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in one.top] == [t for t, _ in want.top]
+
+
+async def test_a_step_feeding_a_part_that_fails_feeds_it_apart_and_both_go_on(
+    in_parts, caplog
+) -> None:
+    """The packed forward of a running row and a prompt's part fails once: the part is fed
+    in a forward of its own, the row steps alone, and both requests get their own tokens."""
+    backend = in_parts
+    failed = threading.Event()
+
+    def fail_once_with_a_part(_module, _args, kwargs) -> None:
+        mixed = kwargs.get(MIXED)
+        if mixed is not None and mixed.columns.parts and not failed.is_set():
+            failed.set()
+            raise RuntimeError("out of memory")
+
+    short, long = prompt(backend, "Hello"), prompt(backend, PROMPTS[2])
+    requests: list[Prompted] = [(short, replace(GREEDY, max_tokens=256)), (long, GREEDY)]
+    expected = await alone(backend, requests)
+    with forwards(backend) as seen:  # its hook first: it sees the forward that fails
+        hook = backend.model.register_forward_pre_hook(fail_once_with_a_part, with_kwargs=True)
+        try:
+            together = await staggered(backend, requests)
+        finally:
+            hook.remove()
+    assert failed.is_set() and "running them apart" in caplog.text
+    assert tokens(together) == tokens(expected)
+    fed = [parts or (positions,) for _, positions, parts in seen[1:] if positions > 1]
+    assert sum(map(sum, fed)) == len(long) + 4  # the part that failed, then alone
+    assert any(not parts and positions == 4 for _, positions, parts in seen[1:])
 
 
 async def test_a_long_scored_prompt_is_fed_in_parts(in_parts, backends) -> None:
-    """A prompt that is scored is fed in parts too, each part's logprobs taken as it runs:
-    the request gets the prompt logprobs and tokens of its prompt scored whole."""
+    """A prompt that is scored is fed in parts too, each part's logprobs taken as it runs (in
+    forwards of their own: nothing else runs): the request gets the prompt logprobs and
+    tokens of its prompt scored whole."""
     long = prompt(in_parts, PROMPTS[2])
-    whole, rest = divmod(len(long), 4)
     params = replace(GREEDY, prompt_logprobs=2, n=2)
     expected_choices, expected_scores = await scored_run(backends("llama"), long, params)
     with forward_shapes(in_parts) as shapes:
         choices, scores = await scored_run(in_parts, long, params)
-    assert [s for s in shapes if s[1] > 1] == [(1, 4)] * whole + ([(1, rest)] if rest > 1 else [])
+    sizes = in_parts_of(len(long), 4)
+    assert [s for s in shapes if s[1] > 1] == [(1, n) for n in sizes if n > 1]
     assert tokens([choices]) == tokens([expected_choices])
-    assert scores is not None and expected_scores is not None
-    assert len(scores) == len(expected_scores) == len(long)
-    assert scores[0] is None and expected_scores[0] is None
-    for got, want in zip(scores[1:], expected_scores[1:], strict=True):
-        assert got is not None and want is not None
-        assert (got.token_id, got.rank) == (want.token_id, want.rank)
-        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
-        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    same_scores(scores, expected_scores, len(long))
 
 
 async def test_a_request_that_leaves_during_its_parts_frees_its_rows(in_parts) -> None:

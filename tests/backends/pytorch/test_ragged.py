@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from huggingfaceserver.backends.pytorch.decode_batch import (
+    PromptPart,
     ReservedCausalLMBatch,
     mixes_prompts,
 )
@@ -63,6 +64,87 @@ def packed_against_apart(
         close(packed.step_mixing(then[0], joining), torch.cat(expected))
         for column, want in zip(after, later, strict=True):
             close(packed.step(column), want)
+
+
+def parts_against_apart(
+    new_batch, vocab: int, running: list[list[int]], long: list[int], size: int
+) -> None:
+    """Rows of ``running`` decode; each of their steps feeds the next ``size`` tokens of
+    ``long`` into its own batch (every other part keeping every position's logits, as a
+    scored prompt's); once it is all in, its row joins theirs and all step on. Every logits
+    row equals the same forwards run apart (the parts by ``prefill_part``/``score_part``)."""
+    starts = range(0, len(long), size)
+    steps = columns(vocab, len(running), len(starts), 5)
+    after = columns(vocab, len(running) + 1, STEPS, 6)
+    with torch.inference_mode():
+        apart, alone = new_batch(), new_batch()
+        apart.prefill_together(running, [1] * len(running))
+        expected = []
+        for turn, (start, column) in enumerate(zip(starts, steps, strict=True)):
+            ids = long[start : start + size]
+            feed = alone.score_part if turn % 2 else alone.prefill_part
+            part = feed(ids, start)
+            expected.append(torch.cat([apart.step(column), part.view(-1, part.shape[-1])]))
+        alone.finish_prefill(len(long), 1)
+        later = [torch.cat([apart.step(c[:-1]), alone.step(c[-1:])]) for c in after]
+
+        packed, parted = new_batch(), new_batch()
+        packed.prefill_together(running, [1] * len(running))
+        for turn, (start, column, want) in enumerate(zip(starts, steps, expected, strict=True)):
+            part = PromptPart(parted, long[start : start + size], start, bool(turn % 2))
+            close(packed.step_mixing(column, [], parts=[part]), want)
+        parted.finish_prefill(len(long), 1)
+        assert packed.absorb(parted)
+        for column, want in zip(after, later, strict=True):
+            close(packed.step(column), want)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_prompts_parts_fed_in_decode_steps_give_what_feeding_them_apart_gives(
+    backends, name
+) -> None:
+    backend = backends(name)
+    running = [prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[1])]
+    long = prompt(backend, PROMPTS[2]) * 2
+    parts_against_apart(backend.new_batch, backend.vocab_size, running, long, 5)
+
+
+def test_a_step_feeding_a_part_and_a_prompt_runs_them_once(backends) -> None:
+    """One forward: the running row's token, a new prompt and another prompt's part."""
+    backend = backends("llama")
+    running, joining = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[1])
+    long = prompt(backend, PROMPTS[2])
+    with torch.inference_mode():
+        apart, alone, in_parts = backend.new_batch(), backend.new_batch(), backend.new_batch()
+        apart.prefill(running, 1)
+        in_parts.prefill_part(long[:4], 0)
+        expected = torch.cat(
+            [apart.step([7]), alone.prefill(joining, 2)[0], in_parts.score_part(long[4:9], 4)]
+        )
+        packed, parted = backend.new_batch(), backend.new_batch()
+        packed.prefill(running, 1)
+        parted.prefill_part(long[:4], 0)
+        part = PromptPart(parted, long[4:9], 4, every_position=True)
+        with forward_shapes(backend) as shapes:
+            got = packed.step_mixing([7], [joining], [2], parts=[part])
+        assert shapes == [(1, 1 + len(joining) + 5)]
+        close(got, expected)
+        assert packed.cache.rows == 3 and parted.cache.end - parted.cache.start == 9
+
+
+def test_a_failed_step_feeding_a_part_leaves_the_parts_batch_as_it_was(backends) -> None:
+    backend = backends("llama")
+    running, long = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2])
+    with torch.inference_mode():
+        packed, parted, kept = backend.new_batch(), backend.new_batch(), backend.new_batch()
+        packed.prefill(running, 1)
+        for batch in (parted, kept):
+            batch.prefill_part(long[:4], 0)
+        bad = PromptPart(parted, [backend.vocab_size + 5] * 3, 4)  # not a token
+        with pytest.raises(IndexError):
+            packed.step_mixing([7], [], parts=[bad])
+        assert packed.cache.rows == 1 and parted.cache.end == 4
+        close(parted.prefill_part(long[4:8], 4), kept.prefill_part(long[4:8], 4))
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -138,6 +220,7 @@ def test_architectures_the_readme_names_pack(name: str) -> None:
         return ReservedCausalLMBatch(model, cache, mixes=True)
 
     packed_against_apart(new_batch, 128, [[5, 6, 7], [8]], [list(range(10, 19)), [3, 4]])
+    parts_against_apart(new_batch, 128, [[5, 6, 7], [8]], list(range(20, 33)), 4)
 
 
 def test_a_model_that_refuses_the_switch_keeps_its_attention_and_outputs() -> None:
