@@ -428,8 +428,11 @@ class ContinuousBatcher:
         if not self.running:
             return [], parts
         batch = self.running[0].batch
-        packed = [fed for fed in parts if batch.mixes_for(fed[0].request.adapter)]
-        return packed, [fed for fed in parts if not batch.mixes_for(fed[0].request.adapter)]
+        packed: list[FedPart] = []
+        alone: list[FedPart] = []
+        for fed in parts:
+            (packed if batch.mixes_for(fed[0].request.adapter) else alone).append(fed)
+        return packed, alone
 
     def _feed_alone(self, parts: list[FedPart]) -> None:
         """Feed these parts, each in a forward of its own (nothing running takes them)."""
@@ -493,20 +496,20 @@ class ContinuousBatcher:
         requests' prompts and the parts ran on their own (:meth:`_start`,
         :meth:`_feed_alone`); anything else that fails ends the batch's requests."""
         joining, parts = joining or [], parts or []
+        fed = [
+            PromptPart(
+                part.batch,
+                part.request.prompt_ids[part.fed : part.fed + take],
+                part.fed,
+                every_position=part.request.prompt_logprobs is not None,
+            )
+            for part, take in parts
+        ]
         try:
             inputs = group.inputs()
             if joining or parts:
                 prompts = [request.prompt_ids for request in joining]
                 copies = [len(request.rows) for request in joining]
-                fed = [
-                    PromptPart(
-                        part.batch,
-                        part.request.prompt_ids[part.fed : part.fed + take],
-                        part.fed,
-                        every_position=part.request.prompt_logprobs is not None,
-                    )
-                    for part, take in parts
-                ]
                 # every joining request's and part's (_mixable, _packable)
                 adapter = (joining[0] if joining else parts[0][0].request).adapter
                 tokens = len(group.rows) + sum(map(len, prompts)) + sum(t for _, t in parts)
@@ -548,13 +551,9 @@ class ContinuousBatcher:
             if not group.rows:
                 self.running.remove(group)
                 self.retire(group.batch)
-        for part, take in parts:  # each part's logits as _feed_part returns them
-            if part.request.prompt_logprobs is None:
-                self._fed(part, take, of_parts[0])
-                of_parts = of_parts[1:]
-            else:
-                self._fed(part, take, of_parts[:take])
-                of_parts = of_parts[take:]
+        for (part, take), feed in zip(parts, fed, strict=True):  # as _feed_part returns them
+            own, of_parts = of_parts[: feed.kept], of_parts[feed.kept :]
+            self._fed(part, take, own if feed.every_position else own[0])
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:
         """After a failed forward: each request's rows in a batch of their own, stepped again,
