@@ -17,6 +17,8 @@ Generation, on :func:`bench.models.build_long_llama` (hidden 64, 2 layers):
   (``/proc``) per decode step of 32 rows (its CPU per generated token, times 32) against
   ``generate``'s CPU per step at batch 32, in the benchmark process, measured in turn with
   the engine's runs (the server idle meanwhile).
+- **Decode-step graphs recorded again**, in the benchmark process: mixed traffic with the
+  steps recorded per bucket as on a GPU, replayed eagerly (:func:`graph_recordings`).
 
 Encoders, on :func:`bench.models.build_overhead_encoder` (a BERT classifier, hidden 32, 2
 layers):
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import threading
 import time
@@ -57,6 +60,7 @@ from huggingfaceserver.backends.batching import EncodeRequest
 from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
 from huggingfaceserver.backends.pytorch.encoder import TransformersEncoder
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.encoder_tasks.params import Output
 from huggingfaceserver.generation.params import SamplingParams
@@ -89,6 +93,12 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """The engine's torch threads, as ``generate``'s here: its calibration, which times a prefill
 of 8 x 32 tokens at load, is left out (on this model a busy minute can make it keep 2 threads,
 whose spinning doubles the engine's CPU while its decode steps gain nothing)."""
+GRAPH_REQUESTS = 240
+GRAPH_CLIENTS = 16
+GRAPH_PROMPT_TOKENS = (16, 32, 64, 128, 256, 512)
+GRAPH_NEW_TOKENS = (16, 128)
+"""The mixed traffic of :func:`graph_recordings`: closed-loop clients, each request's prompt
+length drawn from these and its new tokens from this range (seeded)."""
 ENCODER_ROWS = 512
 ENCODER_CONCURRENCY = 64
 ENCODER_MODEL_NAME = "overhead"
@@ -155,6 +165,18 @@ class EngineRun:
         return 1000 * self.engine_cpu_s * self.streams / self.tokens
 
 
+@dataclass(frozen=True)
+class GraphRun:
+    """Mixed traffic through the decode loop, its steps replayed from recorded graphs."""
+
+    requests: int
+    replayed: int
+    """Decode steps run from a graph."""
+    recordings: int
+    buckets: int
+    """The bucket sizes a graph may be recorded for."""
+
+
 @dataclass
 class HostCostResult:
     settings: Settings
@@ -166,6 +188,7 @@ class HostCostResult:
     """In-process encoder runs: ``forwards`` counts rows here (see :func:`encoder_rows`)."""
     encoder_engine: list[EncoderEngineRun] = field(default_factory=list)
     encoder_failure: str | None = None
+    graphs: GraphRun | None = None
 
     def targets(self) -> list[Target]:
         found = []
@@ -198,6 +221,18 @@ class HostCostResult:
             )
         elif self.failure:
             found.append(Target(f"{KEY}: engine process run", False, self.failure))
+        if self.graphs is not None:
+            run = self.graphs
+            found.append(
+                Target(
+                    f"{KEY}: mixed traffic, decode-step graphs recorded <= one per bucket size "
+                    f"({run.buckets})",
+                    run.recordings <= run.buckets,
+                    f"{run.recordings} recorded for {run.replayed} steps replayed "
+                    f"({run.requests} requests, {GRAPH_CLIENTS} closed-loop clients; "
+                    f"the CPU proxy for CUDA graphs recorded again)",
+                )
+            )
         return found
 
     def section(self) -> list[str]:
@@ -242,6 +277,15 @@ class HostCostResult:
         if self.generate_32:
             plain = Spread.of([r.cpu_per_step_ms for r in self.generate_32])
             lines.append(f"\n`generate` at batch {STREAMS}: {_spread(plain)} ms CPU per step.")
+        if self.graphs is not None:
+            run = self.graphs
+            lines += [
+                "",
+                " ".join(_markdown(graph_recordings.__doc__ or "").split("\n\n")[0].split()),
+                "",
+                f"**{run.recordings} graphs recorded for {run.replayed} decode steps replayed** "
+                f"({run.requests} requests; {run.buckets} bucket sizes).",
+            ]
         lines += [
             "",
             f"Encoder rows ({ENCODER_ROWS} single-text requests at once, in-process, torch):",
@@ -421,6 +465,52 @@ def in_process(model_dir: Path, repeats: int) -> list[RowsRuns]:
         backend.shutdown()
 
 
+def graph_recordings(model_dir: Path) -> GraphRun:
+    """The CPU proxy for CUDA graphs recorded again (each costs a recording on a GPU where a
+    replay would do): :data:`GRAPH_REQUESTS` requests of mixed lengths from
+    :data:`GRAPH_CLIENTS` closed-loop clients, in-process, the decode steps recorded per
+    bucket as on a GPU but replayed eagerly (``step_graphs.eager``); the graphs recorded
+    against the steps replayed. A graph is recorded once per bucket and KV cache buffers:
+    more means the buffers were replaced (grown, or moved where they had room) or the loop
+    stepped on another cache. Target: at most one per bucket size.
+
+    Requests are greedy, with ``ignore_eos``."""
+    config = parse_args(["--model_dir", str(model_dir), "--max_batch_size", str(STREAMS)])
+    backend = TransformersGenerator(load_source(config), config)
+    backend.load()
+    graphs = StepGraphs(backend.max_rows, eager)
+    backend.graphs = graphs
+    draw = random.Random(0)
+    jobs = [
+        (
+            [draw.randrange(backend.vocab_size) for _ in range(draw.choice(GRAPH_PROMPT_TOKENS))],
+            draw.randint(*GRAPH_NEW_TOKENS),
+        )
+        for _ in range(GRAPH_REQUESTS)
+    ]
+
+    async def client(queue: list[tuple[list[int], int]]) -> None:
+        while queue:
+            ids, tokens = queue.pop()
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            async for _ in backend.generate(ids, params):
+                pass
+
+    async def clients() -> None:
+        queue = list(jobs)
+        await asyncio.gather(*(client(queue) for _ in range(GRAPH_CLIENTS)))
+
+    try:
+        asyncio.run(clients())
+    finally:
+        backend.shutdown()
+    logger.info(
+        "  %s, mixed traffic: %d graphs recorded for %d steps replayed",
+        KEY, graphs.recordings, graphs.replayed,
+    )  # fmt: skip
+    return GraphRun(GRAPH_REQUESTS, graphs.replayed, graphs.recordings, len(graphs.sizes))
+
+
 async def _streams(url: str, prompts: list[str]) -> int:
     """The prompts' streamed completions together; their tokens."""
     body = {"temperature": 1.0, "ignore_eos": True}
@@ -567,6 +657,7 @@ def encoder_engine_runs(
 def measure(models: BenchModels, settings: Settings, log_dir: Path) -> HostCostResult:
     model_dir = models.long_llama
     result = HostCostResult(settings, in_process(model_dir, settings.repeats))
+    result.graphs = graph_recordings(model_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token

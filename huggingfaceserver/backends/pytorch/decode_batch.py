@@ -185,7 +185,7 @@ class DecodeBatch(ABC):
 
     @abstractmethod
     def keep(self, rows: list[int]) -> None:
-        """Drop every row but these (by position), e.g. the finished ones."""
+        """Drop every row but these (by position), e.g. the finished ones; maybe none."""
 
     def absorb(self, other: DecodeBatch) -> bool:
         """Append ``other``'s rows after this batch's own and return True, or return False
@@ -376,7 +376,7 @@ class CausalLMBatch(DecodeBatch):
         return logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
@@ -611,10 +611,18 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return output.logits
 
     def keep(self, rows: list[int]) -> None:
+        if self.graphs is not None:  # a recorded step reads every cell of the rows it pads to
+            self.cache.clear_rows(sorted(set(range(self.cache.rows)) - set(rows)))
         self.cache.select_rows(rows)
-        self.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
+        self.positions = self.positions.index_select(0, index)
         self.adapters = [self.adapters[row] for row in rows]
         self.cache.trim()
+
+    def move_to(self, cache: ReservedCache) -> None:
+        """Hold the rows in ``cache`` from now on (its rows and columns before dropped)."""
+        cache.take(self.cache)
+        self.cache = cache
 
     def absorb(self, other: DecodeBatch) -> bool:
         if not isinstance(other, ReservedCausalLMBatch) or other.lora is not self.lora:
@@ -753,6 +761,6 @@ class Seq2SeqBatch(DecodeBatch):
         return output.logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
         self.cache.batch_select_indices(index)
         self.encoded = self.encoded.index_select(0, index)

@@ -153,11 +153,16 @@ class ContinuousBatcher:
         model_name: str = ServerConfig.model_name,
         part_tokens: int = ServerConfig.prefill_chunk_tokens,
         retire: Callable[[DecodeBatch], None] = let_go,
+        settle: Callable[[DecodeBatch], None] = let_go,
     ):
         self.new_batch = new_batch
         self.retire = retire
         """Called with each batch whose rows have all ended (not one whose forward failed):
         the batch's maker may keep its KV cache for the next one."""
+        self.settle = settle
+        """Called with each batch whose prompts ran and whose rows then run on their own (no
+        running batch absorbed them): the batch's maker may move them into the cache it
+        kept."""
         self.max_rows = max_rows
         self.part_tokens = part_tokens
         """Prompt tokens fed in parts per turn of the loop (``--prefill_chunk_tokens``)."""
@@ -355,6 +360,7 @@ class ContinuousBatcher:
             joined.rows += group.rows
             joined.owners += group.owners
         else:
+            self.settle(group.batch)
             self.running.append(group)
 
     def _begin_in_parts(self, admitted: list[DecodeRequest]) -> list[DecodeRequest]:
@@ -640,8 +646,7 @@ class ContinuousBatcher:
                 generated = max(len(row.output_ids) for row in owner.rows)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
             self._end(owner, None)
-        if live:
-            group.batch.keep(live)
+        group.batch.keep(live)  # none too: a batch left empty may be kept (retire)
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
 

@@ -186,10 +186,12 @@ class TransformersGenerator(GenerationBackend):
             self.config.model_name,
             self.config.prefill_chunk_tokens,
             self.retire_batch,
+            self.settle_batch,
         )
         self.idle_cache: ReservedCache | None = None
-        """The KV cache of the last batch whose rows all ended, kept for the next batch while
-        the recorded decode steps write into it (:meth:`retire_batch`)."""
+        """The KV cache of the last batch whose rows all ended, kept for the next batch that
+        runs while the recorded decode steps write into it (:meth:`retire_batch`,
+        :meth:`settle_batch`)."""
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -291,11 +293,7 @@ class TransformersGenerator(GenerationBackend):
         """The model side of a new batch, for this model's kind."""
         if self.decoder_start_token_id is None:
             if self.cache_layers:
-                cache, self.idle_cache = self.idle_cache, None
-                if cache is None:
-                    cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
-                else:
-                    cache.empty()
+                cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
                 return ReservedCausalLMBatch(
                     self.model, cache, self.graphs, self.ready_masks, self.lora, self.mixes
                 )
@@ -304,17 +302,27 @@ class TransformersGenerator(GenerationBackend):
 
     def retire_batch(self, batch: DecodeBatch) -> None:
         """A batch whose rows have all ended: where decode steps are recorded as graphs over
-        its KV cache, the next batch takes that cache (:attr:`idle_cache`), so that a wave of
-        requests after an idle spell replays the graphs recorded before it instead of recording
-        them again over new buffers. It costs no memory: the graphs hold the cache whose
-        buffers they write until they are recorded over another one. Elsewhere (on CPU, with
-        LoRA adapters) nothing is recorded and the cache goes with its batch."""
+        its KV cache, that cache is kept (:attr:`idle_cache`) for the next batch that runs
+        (:meth:`settle_batch`), so that a wave of requests after an idle spell replays the
+        graphs recorded before it instead of recording them again over new buffers. It costs
+        no memory: the graphs hold the cache whose buffers they write until they are recorded
+        over another one. Elsewhere (on CPU, with LoRA adapters) nothing is recorded and the
+        cache goes with its batch."""
         if (
             self.graphs is not None
             and isinstance(batch, ReservedCausalLMBatch)
             and self.graphs.records_over(batch.cache)
         ):
             self.idle_cache = batch.cache
+
+    def settle_batch(self, batch: DecodeBatch) -> None:
+        """A batch whose rows now run on their own (no running batch took them): its rows move
+        into the kept cache (:attr:`idle_cache`), if any, whose buffers the recorded steps
+        write. Only the batch that runs takes it: a batch whose rows join another's (a prompt
+        fed in parts, another admitted beside it) would leave it behind."""
+        cache, self.idle_cache = self.idle_cache, None
+        if cache is not None and isinstance(batch, ReservedCausalLMBatch):
+            batch.move_to(cache)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None

@@ -12,8 +12,10 @@ together, each with its own positions.
 
 Admitting a request writes its rows into free rows of the buffers (:meth:`ReservedCache.absorb`),
 right-aligned to the last column: the running rows are not copied. Only a prompt longer than the
-columns in use moves them (and a full buffer, when it grows). Rows that finish are dropped by
-moving the kept ones up (:meth:`ReservedCache.select_rows`), once per finish, not per step.
+columns in use moves them (and a full buffer: the columns in use move to its front). They move
+within the buffers wherever those have room; the buffers are replaced (by larger ones) only
+where they have none. Rows that finish are dropped by moving the kept ones up
+(:meth:`ReservedCache.select_rows`), once per finish, not per step.
 New prompts may also be fed in a decode step's own forward (:mod:`.ragged`): their rows are
 opened empty (:meth:`ReservedCache.open_rows`) and, while the forward runs
 (:meth:`ReservedCache.mixing`), each layer writes the decode rows' one token at the step's
@@ -216,6 +218,19 @@ class ReservedLayer(CacheLayerMixin):
         self.key_buffer, self.value_buffer = moved
         self.keys = self.values = None  # views of the old buffers, set again by `update`
 
+    def shift(self, rows: int, offset: int) -> None:
+        """Move the first ``rows`` rows' columns in use to start at column ``offset``, in
+        these buffers (their addresses kept); the cells they leave are zero."""
+        if not self.is_initialized:
+            return
+        cache = self.cache
+        span = cache.end - cache.start
+        for buffer in self.buffers():
+            held = buffer[:rows, :, cache.start : cache.end].clone()
+            buffer[:rows, :, cache.start : cache.end] = 0
+            buffer[:rows, :, offset : offset + span] = held
+        self.keys = self.values = None  # views of the old columns, set again by `update`
+
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key_buffer, self.value_buffer
 
@@ -303,13 +318,25 @@ class ReservedCache(Cache):
         finally:
             self.whole = None
 
-    def empty(self) -> None:
-        """Hold no rows, keeping the buffers (and :attr:`layout`): the next batch's first
-        forward writes into them as into new ones, and what was recorded over them (a CUDA
-        graph of a decode step) still applies. The old keys and values stay in the cells until
-        overwritten: finite numbers, hidden by the mask like any padding."""
+    def take(self, other: ReservedCache) -> None:
+        """Hold ``other``'s rows and nothing else, from column 0, in these buffers where they
+        fit (keeping :attr:`layout`: what was recorded over them, a CUDA graph of a decode
+        step, still applies), in larger ones where not. The rows and columns held before are
+        dropped; their keys and values stay in the cells until overwritten: finite numbers
+        (:meth:`clear_rows`), hidden by the mask like any padding."""
         self.rows = self.start = self.end = 0
         self.mask_buffer.zero_()
+        width = other.end - other.start
+        self._fit(other.rows, width)
+        for mine, theirs in zip(self.reserved_layers, other.reserved_layers, strict=True):
+            if not theirs.is_initialized:
+                continue
+            if not mine.is_initialized:
+                mine.lazy_initialization(theirs.key_buffer, theirs.value_buffer)
+            for buffer, source in zip(mine.buffers(), theirs.buffers(), strict=True):
+                buffer[: other.rows, :, :width] = source[: other.rows, :, other.start : other.end]
+        self.mask_buffer[: other.rows, :width] = other.mask
+        self.rows, self.start, self.end = other.rows, 0, width
 
     def open_rows(self, lengths: Sequence[int]) -> int:
         """Before a decode step's :meth:`reserve` of its column: a row more per prompt (of
@@ -350,10 +377,13 @@ class ReservedCache(Cache):
 
     def _fit(self, rows: int, stop: int, move_to: int | None = None) -> None:
         """Buffers of at least ``rows`` rows and columns up to ``stop``; with ``move_to``, the
-        columns in use move to start at that column. Full buffers are replaced by larger ones
-        (by half again at least), the columns in use moved to the front."""
+        columns in use move to start at that column. Full buffers move the columns in use to
+        the front; only where that leaves no room are they replaced by larger ones (by half
+        again at least). Columns moved within the buffers keep them (and :attr:`layout`): what
+        was recorded over them still applies."""
         if move_to is None and rows <= self.row_capacity and stop <= self.column_capacity:
             return
+        capacity = self.row_capacity, self.column_capacity
         if rows > self.row_capacity:
             self.row_capacity = max(rows, min(2 * self.row_capacity, self.max_rows))
         width = self.end - self.start
@@ -362,15 +392,20 @@ class ReservedCache(Cache):
         stop = max(stop, move_to + width)
         if stop > self.column_capacity:
             self.column_capacity = stop + max(stop // 2, MIN_GROWTH)
-        for layer in self.reserved_layers:
-            layer.relayout(self.rows, move_to)
-        self.layout += 1
-        mask = torch.zeros(
-            self.row_capacity, self.column_capacity, dtype=torch.long, device=self.device
-        )
-        held = self.mask_buffer[: self.rows, self.start : self.end]
-        mask[: self.rows, move_to : move_to + width] = held
-        self.mask_buffer = mask
+        held = self.mask_buffer[: self.rows, self.start : self.end].clone()
+        if (self.row_capacity, self.column_capacity) == capacity:
+            if move_to != self.start:
+                for layer in self.reserved_layers:
+                    layer.shift(self.rows, move_to)
+                self.mask_buffer[: self.rows, self.start : self.end] = 0
+        else:
+            for layer in self.reserved_layers:
+                layer.relayout(self.rows, move_to)
+            self.layout += 1
+            self.mask_buffer = torch.zeros(
+                self.row_capacity, self.column_capacity, dtype=torch.long, device=self.device
+            )
+        self.mask_buffer[: self.rows, move_to : move_to + width] = held
         self.start, self.end = move_to, move_to + width
 
     def _widen(self, rows: int, width: int) -> None:
@@ -404,6 +439,8 @@ class ReservedCache(Cache):
 
     def trim(self) -> None:
         """Stop using the leading columns that are padding in every row (no copy)."""
+        if not self.rows:  # nothing to read (and no wait for the device)
+            return
         held = self.mask.any(dim=0)
         if held.numel():
             self.start += int(held.int().argmax())
@@ -426,6 +463,21 @@ class ReservedCache(Cache):
                 buffer[new_rows, :, columns] = source[: other.rows, :, other.start : other.end]
         self.mask_buffer[new_rows, columns] = other.mask
         self.rows = rows
+
+    def clear_rows(self, indices: Sequence[int]) -> None:
+        """Zero every cell of these rows, about to be dropped (:meth:`select_rows`): a forward
+        over the whole buffers (:meth:`writing_at`) reads every column of its rows, those past
+        the columns in use too, and a dropped row may have held NaN (a request that broke the
+        model); masked, it would still reach the output of the row put there next (``NaN`` plus
+        the mask's lowest value is NaN)."""
+        if not indices:
+            return
+        index = torch.tensor(list(indices), device=self.device)
+        for layer in self.reserved_layers:
+            if layer.is_initialized:
+                for buffer in layer.buffers():
+                    buffer.index_fill_(0, index, 0)
+        self.mask_buffer.index_fill_(0, index, 0)
 
     def _clear(self, rows: slice, columns: slice) -> None:
         """Zero these cells: a row's padding must hold finite numbers (a masked NaN would still

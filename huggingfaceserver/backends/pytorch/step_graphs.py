@@ -134,6 +134,8 @@ class StepGraphs:
         """Why recording failed: the steps run eagerly."""
         self.recordings = 0
         """Graphs recorded so far."""
+        self.replayed = 0
+        """Decode steps run from a recorded graph so far."""
 
     def records_over(self, cache: ReservedCache) -> bool:
         """Whether the graphs recorded so far write into this cache's buffers as they are."""
@@ -174,6 +176,7 @@ class StepGraphs:
             replay = self._record(batch, size, inputs)
             if replay is None:
                 return None
+        self.replayed += 1
         return replay()[:rows, -1]
 
     def _record(self, batch: GraphedBatch, size: int, inputs: StepInputs) -> Forward | None:

@@ -273,6 +273,34 @@ async def check_waves_after_idle(backend: TransformersGenerator, graphs: StepGra
     assert tokens(waves) == tokens(expected)
 
 
+async def test_the_kept_cache_goes_to_the_batch_that_runs(in_parts) -> None:
+    """After an idle spell, a long prompt (fed in parts) and a short one admitted together: the
+    short one's rows run first, on the cache kept from the wave before (whose buffers the
+    recorded steps write), and the long one's rows join them there; the same tokens as each
+    request alone, and the same cache kept after."""
+    backend = in_parts
+    short, long = prompt(backend, "Hello"), prompt(backend, PROMPTS[2])
+    assert len(short) <= 4 < len(long)
+    requests: list[Prompted] = [(short, replace(GREEDY, max_tokens=24)), (long, GREEDY)]
+    expected = await alone(backend, requests)
+    backend.graphs = graphs = StepGraphs(backend.max_rows, eager)
+    try:
+        await run(backend, *requests[0])
+        cache = backend.batcher.run_on_loop(lambda: backend.idle_cache)
+        assert cache is not None
+        with forwards(backend) as seen:
+            async with admitted_together(backend):
+                runs = [asyncio.ensure_future(run(backend, *request)) for request in requests]
+            together = await asyncio.gather(*runs)
+        assert any(parts for _, _, parts in seen)  # the long prompt's parts, in steps
+        assert backend.batcher.run_on_loop(lambda: backend.idle_cache) is cache
+        assert graphs.broken is None
+    finally:
+        backend.graphs = None
+        backend.idle_cache = None
+    assert tokens(together) == tokens(expected)
+
+
 async def test_each_request_keeps_its_own_settings(backends) -> None:
     backend = backends("llama")
     ids = [prompt(backend, text) for text in PROMPTS]

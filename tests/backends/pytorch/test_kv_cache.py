@@ -139,6 +139,72 @@ def test_a_request_that_joins_does_not_copy_the_running_rows(backends) -> None:
     assert torch.equal(layer.key_buffer[:3], running)
 
 
+def test_rows_that_move_within_the_buffers_keep_them(backends) -> None:
+    """Where the buffers have room, the columns in use move within them, to the front when the
+    last column is reached and to the right when a wider prompt joins: the buffers (and the
+    cache's :attr:`~ReservedCache.layout`, which recorded steps are kept by) stay, and every
+    row steps as it would alone."""
+    backend = backends("llama")
+    vocab = backend.vocab_size
+    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
+    with torch.inference_mode():
+        running, batch = Alone(backend, short), reserved(backend)
+        batch.prefill(short, 1)
+        leaving = reserved(backend)
+        leaving.prefill(wide, 2)  # rows and columns for later, then gone
+        assert batch.absorb(leaving)
+        for token in tokens(2, vocab, 6):
+            torch.testing.assert_close(batch.step([token] * 3)[:1], running.step([token]), **PADDED)
+        batch.keep([0])
+        cache = batch.cache
+        layer = cache.reserved_layers[0]
+        pointer, layout = layer.key_buffer.data_ptr(), cache.layout
+        assert cache.start > 0  # the wide rows' columns are gone: room to the left
+        feed = tokens(cache.column_capacity - cache.end + 2, vocab, 7)
+        for token in feed:  # past the last column: to the front
+            torch.testing.assert_close(batch.step([token]), running.step([token]), **PADDED)
+        assert cache.start == 0 and cache.rows == 1
+        assert (layer.key_buffer.data_ptr(), cache.layout) == (pointer, layout)
+
+        held = cache.end - cache.start
+        joining_ids = tokens(held + 3, vocab, 8)  # wider than the columns in use
+        assert len(joining_ids) <= cache.column_capacity and cache.row_capacity >= 3
+        joining_alone, joining = Alone(backend, joining_ids, rows=2), reserved(backend)
+        joining.prefill(joining_ids, 2)
+        assert batch.absorb(joining)
+        assert cache.start == 0 and cache.end - cache.start == len(joining_ids)  # moved right
+        assert (layer.key_buffer.data_ptr(), cache.layout) == (pointer, layout)
+        for token in tokens(4, vocab, 9):
+            got = batch.step([token] * 3)
+            torch.testing.assert_close(got[:1], running.step([token]), **PADDED)
+            torch.testing.assert_close(got[1:], joining_alone.step([token] * 2), **PADDED)
+
+
+def test_a_cache_takes_another_batchs_rows_into_its_own_buffers(backends) -> None:
+    """A batch's rows moved into a cache that held others (the one kept across an idle spell):
+    its buffers and layout stay where the rows fit, and the rows step as they would alone."""
+    backend = backends("llama")
+    vocab = backend.vocab_size
+    ids = prompt(backend, PROMPTS[1])
+    with torch.inference_mode():
+        earlier = reserved(backend)
+        earlier.prefill(prompt(backend, PROMPTS[2]) * 2, 3)
+        earlier.step([1, 2, 3])
+        kept = earlier.cache
+        pointer, layout = kept.reserved_layers[0].key_buffer.data_ptr(), kept.layout
+        alone, batch = Alone(backend, ids, rows=2), reserved(backend)
+        batch.prefill(ids, 2)
+        batch.move_to(kept)
+        assert batch.cache is kept and (kept.rows, kept.start, kept.end) == (2, 0, len(ids))
+        assert (kept.reserved_layers[0].key_buffer.data_ptr(), kept.layout) == (pointer, layout)
+        for token in tokens(6, vocab, 10):
+            torch.testing.assert_close(batch.step([token] * 2), alone.step([token] * 2), **PADDED)
+        wider = reserved(backend)  # more rows than the kept buffers hold: larger ones
+        wider.prefill(ids, 4)
+        wider.move_to(kept)
+        assert kept.rows == 4 and kept.layout > layout
+
+
 def test_rows_left_by_a_failed_request_leave_nothing_behind(backends) -> None:
     """A row that left may have held NaN (a model broken by its input): the row that takes
     its place computes from finite padding."""

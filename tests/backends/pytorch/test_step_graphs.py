@@ -121,6 +121,7 @@ def test_graphed_steps_equal_eager_ones_as_rows_join_and_leave(backends, name: s
         assert 2 in graphs.replays
     assert graphs.broken is None
     assert recording.recorded == graphs.recordings
+    assert graphs.replayed == 20  # every step
     assert recording.recorded <= 12  # 3 buckets, over a few layouts of the buffers
     assert graphed.cache.layout >= 2  # the buffers did grow while graphs were recorded
 
@@ -143,6 +144,53 @@ def test_the_rows_padding_a_bucket_attend_to_every_column(backends) -> None:
         assert (mask[row, 0, 0, : graphed.cache.end][held] == 0).all()
         assert (mask[row, 0, 0, : graphed.cache.end][~held] == lowest).all()
         assert (mask[row, 0, 0, graphed.cache.end :] == lowest).all()
+
+
+def poison(batch: ReservedCausalLMBatch, row: int) -> None:
+    """NaN in every cell of a row, as a request that broke the model leaves it."""
+    for layer in batch.cache.reserved_layers:
+        for buffer in layer.buffers():
+            buffer[row].fill_(float("nan"))
+
+
+def joining(backend, text: str, rows: int = 1) -> ReservedCausalLMBatch:
+    batch = ReservedCausalLMBatch(
+        backend.model, ReservedCache(backend.cache_layers, 8, backend.model.device)
+    )
+    batch.prefill(prompt(backend, text), rows)
+    return batch
+
+
+def test_rows_left_by_a_failed_request_leave_nothing_behind_in_recorded_steps(backends) -> None:
+    """A recorded step reads every column of its rows, those past the columns in use too: a
+    row whose request broke the model (NaN in its cells) is cleared as it leaves, so that the
+    request put in its place next, in the same batch or in the next wave on the kept cache,
+    gets what it gets on a plain batch."""
+    backend = backends("llama")
+    graphs = StepGraphs(8, eager)
+    graphed, plain = batch_pair(backend, graphs)
+    vocab = backend.vocab_size
+    with torch.inference_mode():
+        ids = prompt(backend, PROMPTS[2])
+        for batch in (graphed, plain):
+            batch.prefill(ids, 2)
+        step_both(graphed, plain, 0, vocab)
+        for batch in (graphed, plain):
+            poison(batch, 1)
+            batch.keep([0])
+            assert batch.absorb(joining(backend, PROMPTS[0]))
+        for step in range(1, 4):
+            step_both(graphed, plain, step, vocab)
+
+        poison(graphed, 0)  # then every row leaves: the cache is kept for the next wave
+        graphed.keep([])
+        kept = graphed.cache
+        assert kept.rows == 0
+        graphed, plain = joining(backend, PROMPTS[1], 2), joining(backend, PROMPTS[1], 2)
+        graphed.graphs = graphs
+        graphed.move_to(kept)
+        for step in range(4, 8):
+            step_both(graphed, plain, step, vocab)
 
 
 def test_graphs_are_refused_without_ready_masks_or_with_adapters(backends) -> None:
