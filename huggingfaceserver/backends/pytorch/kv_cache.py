@@ -418,8 +418,9 @@ class ReservedCache(Cache):
         if self.start >= width - held:
             self._clear(slice(0, self.rows), slice(self.end - width, self.start))
             self.start = self.end - width
-        else:
+        else:  # moved right: the columns left of them are padding, zeroed
             self._fit(rows, width, move_to=width - held)
+            self._clear(slice(0, self.rows), slice(0, self.start))
             self.start = 0
 
     def select_rows(self, indices: Sequence[int]) -> None:

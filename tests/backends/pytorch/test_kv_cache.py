@@ -180,6 +180,41 @@ def test_rows_that_move_within_the_buffers_keep_them(backends) -> None:
             torch.testing.assert_close(got[1:], joining_alone.step([token] * 2), **PADDED)
 
 
+def test_rows_moved_right_in_place_get_cleared_padding(backends) -> None:
+    """A prompt wider than the columns up to the last one moves the running rows right within
+    the buffers: the columns they then hold as padding are zeroed, whatever was left there (a
+    row that held NaN before: ``0 * NaN`` reaches the attention's output)."""
+    backend = backends("llama")
+    vocab = backend.vocab_size
+    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
+    with torch.inference_mode():
+        running, batch = Alone(backend, short), reserved(backend)
+        batch.prefill(short, 1)
+        leaving = reserved(backend)
+        leaving.prefill(wide, 2)
+        assert batch.absorb(leaving)
+        token = tokens(1, vocab, 11)[0]
+        torch.testing.assert_close(batch.step([token] * 3)[:1], running.step([token]), **PADDED)
+        batch.keep([0])
+        cache = batch.cache
+        layer = cache.reserved_layers[0]
+        pointer, layout = layer.key_buffer.data_ptr(), cache.layout
+        assert cache.start > 0
+        for each in cache.reserved_layers:
+            for buffer in each.buffers():
+                buffer[0, :, : cache.start].fill_(float("nan"))
+        joining_ids = tokens(cache.end + 2, vocab, 12)  # no room to its left
+        assert len(joining_ids) <= cache.column_capacity
+        joining_alone, joining = Alone(backend, joining_ids), reserved(backend)
+        joining.prefill(joining_ids, 1)
+        assert batch.absorb(joining)
+        assert (layer.key_buffer.data_ptr(), cache.layout) == (pointer, layout)  # in place
+        for token in tokens(3, vocab, 13):
+            got = batch.step([token] * 2)
+            torch.testing.assert_close(got[:1], running.step([token]), **PADDED)
+            torch.testing.assert_close(got[1:], joining_alone.step([token]), **PADDED)
+
+
 def test_a_cache_takes_another_batchs_rows_into_its_own_buffers(backends) -> None:
     """A batch's rows moved into a cache that held others (the one kept across an idle spell):
     its buffers and layout stay where the rows fit, and the rows step as they would alone."""
