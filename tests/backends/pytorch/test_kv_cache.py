@@ -139,6 +139,23 @@ def test_a_request_that_joins_does_not_copy_the_running_rows(backends) -> None:
     assert torch.equal(layer.key_buffer[:3], running)
 
 
+def a_row_with_room(backend, steps: int) -> tuple[Alone, ReservedCausalLMBatch]:
+    """A one-row batch (and its reference) whose buffers have rows and columns to spare: two
+    rows of a wide prompt joined it, stepped ``steps`` times with it, and left, their columns
+    with them (room to the left of the row's)."""
+    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
+    running, batch = Alone(backend, short), reserved(backend)
+    batch.prefill(short, 1)
+    leaving = reserved(backend)
+    leaving.prefill(wide, 2)
+    assert batch.absorb(leaving)
+    for token in tokens(steps, backend.vocab_size, 6):
+        torch.testing.assert_close(batch.step([token] * 3)[:1], running.step([token]), **PADDED)
+    batch.keep([0])
+    assert batch.cache.start > 0 and batch.cache.row_capacity >= 3
+    return running, batch
+
+
 def test_rows_that_move_within_the_buffers_keep_them(backends) -> None:
     """Where the buffers have room, the columns in use move within them, to the front when the
     last column is reached and to the right when a wider prompt joins: the buffers (and the
@@ -146,20 +163,11 @@ def test_rows_that_move_within_the_buffers_keep_them(backends) -> None:
     row steps as it would alone."""
     backend = backends("llama")
     vocab = backend.vocab_size
-    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
     with torch.inference_mode():
-        running, batch = Alone(backend, short), reserved(backend)
-        batch.prefill(short, 1)
-        leaving = reserved(backend)
-        leaving.prefill(wide, 2)  # rows and columns for later, then gone
-        assert batch.absorb(leaving)
-        for token in tokens(2, vocab, 6):
-            torch.testing.assert_close(batch.step([token] * 3)[:1], running.step([token]), **PADDED)
-        batch.keep([0])
+        running, batch = a_row_with_room(backend, steps=2)
         cache = batch.cache
         layer = cache.reserved_layers[0]
         pointer, layout = layer.key_buffer.data_ptr(), cache.layout
-        assert cache.start > 0  # the wide rows' columns are gone: room to the left
         feed = tokens(cache.column_capacity - cache.end + 2, vocab, 7)
         for token in feed:  # past the last column: to the front
             torch.testing.assert_close(batch.step([token]), running.step([token]), **PADDED)
@@ -186,20 +194,11 @@ def test_rows_moved_right_in_place_get_cleared_padding(backends) -> None:
     row that held NaN before: ``0 * NaN`` reaches the attention's output)."""
     backend = backends("llama")
     vocab = backend.vocab_size
-    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
     with torch.inference_mode():
-        running, batch = Alone(backend, short), reserved(backend)
-        batch.prefill(short, 1)
-        leaving = reserved(backend)
-        leaving.prefill(wide, 2)
-        assert batch.absorb(leaving)
-        token = tokens(1, vocab, 11)[0]
-        torch.testing.assert_close(batch.step([token] * 3)[:1], running.step([token]), **PADDED)
-        batch.keep([0])
+        running, batch = a_row_with_room(backend, steps=1)
         cache = batch.cache
         layer = cache.reserved_layers[0]
         pointer, layout = layer.key_buffer.data_ptr(), cache.layout
-        assert cache.start > 0
         for each in cache.reserved_layers:
             for buffer in each.buffers():
                 buffer[0, :, : cache.start].fill_(float("nan"))
