@@ -155,9 +155,10 @@ class DecodeBatch(ABC):
         raise NotImplementedError(f"{type(self).__name__} runs a prompt in one forward")
 
     @abstractmethod
-    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
         """Feed each row its latest token (``[rows]`` on the device, or a list); the next-token
-        logits ``[rows, V]``."""
+        logits ``[rows, V]``. ``graphed``: whether the step may replay the recorded decode
+        steps where the batch has them (:mod:`.step_graphs`), or runs eagerly."""
 
     mixes = False
     """Whether :meth:`step_mixing` feeds new prompts in a decode step's forward."""
@@ -368,7 +369,7 @@ class CausalLMBatch(DecodeBatch):
         """The attention mask of a forward of ``tokens`` more tokens per row."""
         return F.pad(self.mask, [0, tokens], value=1)
 
-    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
         mask = self._extend(1)
         logits = self._forward(self._column(tokens), self.positions[:, None], mask)
         self.mask = mask
@@ -443,14 +444,15 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def _extend(self, tokens: int) -> torch.Tensor:
         return self.cache.reserve(tokens)
 
-    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
+        graphs = self.graphs if graphed else None
         # the rows for the padding first: fitting them may move the buffers
-        size = self.graphs.bucket(self.cache) if self.graphs is not None else None
+        size = graphs.bucket(self.cache) if graphs is not None else None
         mask = self.cache.reserve(1)
         column = self._column(tokens)
         logits = None
-        if self.graphs is not None and size is not None:
-            logits = self.graphs.step(self, column, size)
+        if graphs is not None and size is not None:
+            logits = graphs.step(self, column, size)
         if logits is not None:
             self.cache.advance(1)
         else:
@@ -750,7 +752,7 @@ class Seq2SeqBatch(DecodeBatch):
         self.encoded = hidden.repeat(rows, 1, 1)
         return self.step([self.decoder_start_token_id] * rows), None
 
-    def step(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
         output = self.model(
             encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),  # type: ignore[arg-type]
             decoder_input_ids=self._column(tokens),

@@ -523,9 +523,10 @@ class ContinuousBatcher:
                     prefill_bucket(tokens),
                     lambda: group.batch.step_mixing(inputs, prompts, copies, adapter, fed),
                 )
-            else:
+            else:  # only the first batch replays the recorded steps (one cache for them)
+                graphed = group is self.running[0]
                 logits = self.threads.run(
-                    decode_bucket(len(group.rows)), lambda: group.batch.step(inputs)
+                    decode_bucket(len(group.rows)), lambda: group.batch.step(inputs, graphed)
                 )
         except Exception as exc:
             if joining or parts:  # as before prompts joined decode steps: each apart

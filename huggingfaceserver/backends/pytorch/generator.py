@@ -321,7 +321,12 @@ class TransformersGenerator(GenerationBackend):
         write. Only the batch that runs takes it: a batch whose rows join another's (a prompt
         fed in parts, another admitted beside it) would leave it behind."""
         cache, self.idle_cache = self.idle_cache, None
-        if cache is not None and isinstance(batch, ReservedCausalLMBatch):
+        if (
+            cache is not None
+            and self.graphs is not None
+            and self.graphs.records_over(cache)  # not since recorded over another batch's
+            and isinstance(batch, ReservedCausalLMBatch)
+        ):
             batch.move_to(cache)
 
     async def generate(

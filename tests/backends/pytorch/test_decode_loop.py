@@ -558,9 +558,13 @@ async def test_a_failing_prefill_fails_only_its_request(backends) -> None:
     assert results[0] == [expected]
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 async def test_a_step_that_fails_once_is_retried_apart_and_every_request_goes_on(
-    backends, caplog
+    backends, caplog, graphed: bool
 ) -> None:
+    """Each request's rows then step in a batch of their own. With recorded decode steps,
+    only the first batch replays them: batches on other caches taking turns would record
+    them again every step (31 recordings here before)."""
     backend = backends("llama")
     failed = threading.Event()
 
@@ -571,15 +575,21 @@ async def test_a_step_that_fails_once_is_retried_apart_and_every_request_goes_on
 
     requests = [(prompt(backend, text), GREEDY) for text in PROMPTS[:2]]
     expected = await alone(backend, requests)
+    graphs = StepGraphs(backend.max_rows, eager)
+    backend.graphs = graphs if graphed else None
     hook = backend.model.register_forward_pre_hook(fail_once_while_decoding, with_kwargs=True)
     try:
         with slow_forward(backend):
             results = await asyncio.gather(*(run(backend, *r) for r in requests))
     finally:
         hook.remove()
+        backend.graphs = None
+        backend.idle_cache = None
     assert failed.is_set()
     assert "retrying each apart" in caplog.text
     assert tokens(results) == tokens(expected)
+    if graphed:  # bucket 2; bucket 1 after the split; over the other cache once one is left
+        assert 0 < graphs.recordings <= 3 and graphs.broken is None
 
 
 async def test_a_request_whose_rows_break_the_model_fails_alone(backends) -> None:
