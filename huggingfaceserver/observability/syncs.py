@@ -2,9 +2,10 @@
 round trips, counted on any machine.
 
 On a GPU, reading a tensor's values into Python (``.item()``, ``int()``, ``bool()``,
-``.tolist()``, ``.numpy()``), copying it to the host, and ops whose output size depends on the
-values (``nonzero``, boolean indexing, ``masked_select``) make the host wait until the device
-has caught up. :class:`SyncCounter` counts them while it is active, with torch's public
+``.tolist()``, ``.numpy()``), copying it to the host, ops whose output size depends on the
+values (``nonzero``, boolean indexing, ``masked_select``), and copying host values onto the
+device from pageable memory (``torch.tensor(values, device=...)``) make the host wait until the
+device has caught up. :class:`SyncCounter` counts them while it is active, with torch's public
 :class:`~torch.overrides.TorchFunctionMode` (the Python-level reads: ``tolist`` never reaches
 the dispatcher, and under ``torch.inference_mode`` neither does the scalar read behind
 ``item`` or ``bool``) and :class:`~torch.utils._python_dispatch.TorchDispatchMode` (the ops,
@@ -34,6 +35,10 @@ SCALAR_READS = frozenset({"item", "__bool__", "__int__", "__float__", "__index__
 dispatcher does not show a mode under ``torch.inference_mode``: they are counted here)."""
 TRANSFERS = frozenset({"cpu", "to", "copy_"})
 """Tensor methods that may copy to the host."""
+FACTORIES = frozenset({"tensor", "as_tensor"})
+"""Factories that copy host values onto a device when given one (``device=``): from pageable
+memory, which on a GPU waits for every kernel already queued
+(:func:`~huggingfaceserver.encoder_tasks.base.to_device` copies without waiting)."""
 aten = torch.ops.aten
 VALUE_SIZED = frozenset(
     {
@@ -105,6 +110,13 @@ class SyncCounter:
             return False
         return self.device.type == "cpu" or tensor.device.type == self.device.type
 
+    def onto(self, device: Any, data: Any) -> bool:
+        """Whether a factory given ``device`` copies host ``data`` onto the watched device
+        (with a CPU watched, any ``device=`` given: the same call copies onto a GPU there)."""
+        if device is None or isinstance(data, torch.Tensor):
+            return False
+        return torch.device(device).type == self.device.type
+
     def __enter__(self) -> SyncCounter:
         self._modes = [_Reads(self), _Ops(self)]
         for mode in self._modes:
@@ -150,6 +162,8 @@ class _Reads(TorchFunctionMode):
                 self.counter.reading = False
         if name in READS and self.counter.watched(source):
             self.counter.counts[name] += 1
+        elif name in FACTORIES and self.counter.onto(kwargs.get("device"), source):
+            self.counter.counts[f"{name} onto the device"] += 1
         elif (
             name in TRANSFERS
             and self.counter.device.type != "cpu"

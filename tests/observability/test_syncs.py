@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from huggingfaceserver.encoder_tasks.base import to_device
 from huggingfaceserver.observability.syncs import SyncCounter
 
 
@@ -21,6 +22,19 @@ def test_the_sync_counter_sees_every_kind_of_read() -> None:
         "nonzero": 1,
         "index (boolean mask)": 1,
     }
+
+
+def test_host_values_copied_onto_the_device_count_unless_staged() -> None:
+    """``torch.tensor(values, device=...)`` copies from pageable memory (on a GPU: after every
+    queued kernel); ``to_device`` stages them in pinned memory, and a tensor built on the host
+    (no ``device``) is no copy."""
+    with SyncCounter() as counter:
+        torch.tensor([1, 2], device="cpu"), torch.as_tensor([1.0], device=torch.device("cpu"))
+        torch.tensor([3]), to_device([4, 5], torch.device("cpu"), torch.long)
+    assert counter.counts == {"tensor onto the device": 1, "as_tensor onto the device": 1}
+    with SyncCounter("cuda") as counter:
+        torch.tensor([1, 2], device="cpu")
+    assert counter.total == 0  # onto the host: no wait
 
 
 def test_with_an_accelerator_only_its_tensors_count() -> None:

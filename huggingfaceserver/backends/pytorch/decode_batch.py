@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from ...encoder_tasks.base import to_device
 from .adapters import LoraAdapters, row_adapter
 from .kv_cache import MixedColumns, PartColumns, ReservedCache, full_attention_layers
 from .ragged import MIXED, MixedAttention, agree, enable_mixed_steps
@@ -81,7 +82,7 @@ class DecodeBatch(ABC):
         return self.lora.forward(row_adapters or self.adapters, **inputs)
 
     def _ids(self, rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return to_device(rows, self.device, torch.long)
 
     def _column(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """A step's input ``[rows, 1]``: one token per row, from the device or from a list."""
@@ -350,11 +351,11 @@ class CausalLMBatch(DecodeBatch):
         every = self._forward(ids, positions, mask, every_position)
         logits = every[:, -1]
         self.mask = mask
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        lengths = to_device([len(p) for p in prompts], self.device, torch.long)
         if any(count != 1 for count in rows):
             index = torch.repeat_interleave(
                 torch.arange(len(prompts), device=self.device),
-                torch.tensor(rows, device=self.device),
+                to_device(rows, self.device, torch.long),
             )
             self._repeat(index)
             logits = logits.index_select(0, index)
@@ -377,7 +378,7 @@ class CausalLMBatch(DecodeBatch):
         return logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
+        index = to_device(rows, self.device, torch.long)  # [] too
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
@@ -540,7 +541,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
         for own, part in zip(caches, parts, strict=True):
             own.advance(len(part.ids))
             part.batch.adapters = [name]
-        opened = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        opened = to_device(lengths, self.device, torch.long)
         self.positions = torch.cat([self.positions + 1, opened])
         logits = output.logits[0]
         if not self.extra:
@@ -552,7 +553,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
                 row for row, count in enumerate(copies, start=rows) for _ in range(count)
             ]
             cache.select_rows(index)
-            repeat = torch.tensor(index, device=self.device)
+            repeat = to_device(index, self.device, torch.long)
             self.positions = self.positions.index_select(0, repeat)
             logits = logits.index_select(0, repeat)
         self.adapters = self.adapters + [name] * (cache.rows - rows)
@@ -590,7 +591,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
             count = len(part.ids)
             kept += range(offset + count - part.kept, offset + count)
             offset += count
-        return torch.tensor(kept, device=self.device)
+        return to_device(kept, self.device, torch.long)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -616,7 +617,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
         if self.graphs is not None:  # a recorded step reads every cell of the rows it pads to
             self.cache.clear_rows(sorted(set(range(self.cache.rows)) - set(rows)))
         self.cache.select_rows(rows)
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
+        index = to_device(rows, self.device, torch.long)  # [] too
         self.positions = self.positions.index_select(0, index)
         self.adapters = [self.adapters[row] for row in rows]
         self.cache.trim()
@@ -647,7 +648,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
             self.lora,
             self.mixes,
         )
-        taken.positions = self.positions.index_select(0, torch.tensor(rows, device=self.device))
+        taken.positions = self.positions.index_select(0, to_device(rows, self.device, torch.long))
         taken.adapters = [self.adapters[row] for row in rows]
         taken.cache.trim()
         moved = set(rows)
@@ -763,6 +764,6 @@ class Seq2SeqBatch(DecodeBatch):
         return output.logits[:, -1]
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [] too
+        index = to_device(rows, self.device, torch.long)  # [] too
         self.cache.batch_select_indices(index)
         self.encoded = self.encoded.index_select(0, index)

@@ -51,6 +51,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ...encoder_tasks.base import to_device
+
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
 
@@ -429,7 +431,7 @@ class ReservedCache(Cache):
             self.rows = len(indices)
             return
         self._fit(len(indices), self.end)
-        index = torch.tensor(list(indices), device=self.device)
+        index = to_device(list(indices), self.device, torch.long)
         columns = slice(self.start, self.end)
         for layer in self.reserved_layers:
             if layer.is_initialized:
@@ -473,7 +475,7 @@ class ReservedCache(Cache):
         the mask's lowest value is NaN)."""
         if not indices:
             return
-        index = torch.tensor(list(indices), device=self.device)
+        index = to_device(list(indices), self.device, torch.long)
         for layer in self.reserved_layers:
             if layer.is_initialized:
                 for buffer in layer.buffers():
@@ -497,7 +499,7 @@ class ReservedCache(Cache):
         width = self.end - self.start
         taken.row_capacity, taken.column_capacity = len(indices), width + MIN_GROWTH
         taken.rows, taken.end = len(indices), width
-        index = torch.tensor(list(indices), device=self.device)
+        index = to_device(list(indices), self.device, torch.long)
         columns = slice(self.start, self.end)
         taken.mask_buffer = self.mask_buffer.new_zeros(taken.row_capacity, taken.column_capacity)
         taken.mask_buffer[:, :width] = self.mask_buffer[index, columns]

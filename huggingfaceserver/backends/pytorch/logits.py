@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from ...encoder_tasks.base import to_device
 from ...errors import BadRequest, ServerError
 from ...generation.constraints import GrammarMatcher
 from ...generation.params import SamplingParams, TokenLogprob
@@ -132,7 +133,7 @@ def prompt_token_logprobs(
     ``num_top`` most likely tokens there; ``logits[i]`` is the model's raw output at position
     ``i`` (which predicts token ``i + 1``). The first token has none: None."""
     result: list[TokenLogprob | None] = [None]
-    targets = torch.tensor(prompt_ids[1:], dtype=torch.long, device=logits.device)
+    targets = to_device(prompt_ids[1:], logits.device, torch.long)
     for start in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
         chunk = logits[start : start + PROMPT_LOGPROB_CHUNK].float().log_softmax(dim=-1)
         wanted = targets[start : start + PROMPT_LOGPROB_CHUNK]

@@ -12,6 +12,7 @@ import llguidance.numpy
 import numpy as np
 import torch
 
+from ...encoder_tasks.base import to_device
 from ...errors import BadRequest
 from ...generation.constraints import GrammarMatcher
 
@@ -51,7 +52,7 @@ def mask_disallowed(
         if rows == list(range(logits.shape[0])):
             logits.masked_fill_(~allowed, float("-inf"))
         else:
-            index = torch.tensor(rows, device=logits.device)
+            index = to_device(rows, logits.device, torch.long)
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return failures
 
@@ -71,7 +72,7 @@ def unpack_bitmask(bitmask: np.ndarray, vocab: int, device: torch.device) -> tor
     if device.type == "cpu":
         bits = torch.from_numpy(np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little"))
     else:
-        words = torch.from_numpy(bitmask).to(device)
+        words = to_device(bitmask, device, torch.int32)
         shifts = torch.arange(32, dtype=torch.int32, device=device)
         bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)
     allowed = bits[:, :vocab].bool()

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...encoder_tasks.base import to_device
 from ...errors import BadRequest
 from ...generation.params import SamplingParams, TokenLogprob
 from .logits import SamplingRow, filter_for_sampling, holds_back_stops, why_unusable
@@ -78,12 +79,12 @@ def sampling_generator(device: torch.device) -> torch.Generator:
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long, device=device)
+    return to_device(list(values), device, torch.long)
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """A ``[rows, 1]`` column of per-row values, to broadcast over the vocabulary."""
-    return torch.tensor(list(values), dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(list(values), device, torch.float32).unsqueeze(1)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class SamplingBatch:
         if bias:
             rows_, tokens, values = zip(*bias, strict=True)
             self.bias = (_index(rows_, device), _index(tokens, device))
-            self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+            self.bias_values = to_device(values, device, torch.float32)
         self._stops(params)
         self._penalties(params, previous)
         self.constrained = [
