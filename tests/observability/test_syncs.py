@@ -3,6 +3,8 @@ an accelerator as the device, the host's own tensors are not."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from huggingfaceserver.encoder_tasks.base import to_device
@@ -85,3 +87,15 @@ def test_nonzero_as_a_tuple_counts_under_inference_mode() -> None:
             with SyncCounter() as counter:
                 t.nonzero(as_tuple=True)
         assert counter.total == 1, inference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_values_reach_a_gpu_as_they_are() -> None:
+    cuda = torch.device("cuda")
+    with SyncCounter(cuda) as counter:
+        index = to_device([3, 1, 2], cuda, torch.long)
+        column = to_device(np.array([0.5, 2.0], dtype=np.float32), cuda, torch.float32)
+    assert counter.total == 0
+    assert index.device.type == "cuda" and index.dtype == torch.long
+    assert index.tolist() == [3, 1, 2] and column.tolist() == [0.5, 2.0]
