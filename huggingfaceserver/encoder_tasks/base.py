@@ -178,7 +178,7 @@ def to_device(
     import torch
 
     tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and tensor.numel():  # nothing to copy: no pinned block either
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
 

@@ -96,6 +96,7 @@ def test_host_values_reach_a_gpu_as_they_are() -> None:
     with SyncCounter(cuda) as counter:
         index = to_device([3, 1, 2], cuda, torch.long)
         column = to_device(np.array([0.5, 2.0], dtype=np.float32), cuda, torch.float32)
-    assert counter.total == 0
+        none = to_device([], cuda, torch.long)  # a batch whose rows all ended keeps none
+    assert counter.total == 0 and none.shape == (0,) and none.device.type == "cuda"
     assert index.device.type == "cuda" and index.dtype == torch.long
     assert index.tolist() == [3, 1, 2] and column.tolist() == [0.5, 2.0]
