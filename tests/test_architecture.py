@@ -32,6 +32,7 @@ LAYERS = (
     "model_facts",
     "pod",
     "errors",
+    "devices",
     "units",
     "",  # the package itself (its version)
 )

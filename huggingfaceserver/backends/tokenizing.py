@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from ..cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from ..devices import to_device
 from ..encoder_tasks import EncoderOptions, EncoderTask, encoder_task_class
-from ..encoder_tasks.base import to_device
 from ..encoder_tasks.params import DEFAULT_PARAMS, EncodeParams, Output
 from ..encoder_tasks.sparse import VOCABULARY_LOGITS_BYTES, SparseEmbedding
 from ..errors import BadRequest, StartupError

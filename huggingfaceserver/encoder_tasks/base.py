@@ -165,24 +165,6 @@ def host_array(batch: BatchEncoding, key: str) -> np.ndarray:
     return batch[key].numpy()
 
 
-def to_device(
-    values: torch.Tensor | Any, device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """A host tensor (or host values: a sequence, a NumPy array, as ``dtype``) on ``device``,
-    without the host waiting: torch's plain copy to a CUDA device (``torch.tensor(values,
-    device=...)`` included) comes from pageable memory and waits until the work queued there
-    (the model's forward) has run; a copy from pinned memory with ``non_blocking`` is queued
-    after it, and torch's caching host allocator keeps the pinned source until it is done.
-    Elsewhere (a CPU), a plain ``to``. :class:`~huggingfaceserver.observability.syncs.SyncCounter`
-    counts the waiting kind on any machine."""
-    import torch
-
-    tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda" and tensor.numel():  # nothing to copy: no pinned block either
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def bytes_output(name: str, values: Sequence[Any], shape: list[int] | None = None) -> InferOutput:
     """A BYTES tensor; non-string values are sent as their JSON text."""
     texts = [v if isinstance(v, str) else json.dumps(v) for v in values]

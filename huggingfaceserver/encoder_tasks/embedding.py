@@ -9,9 +9,10 @@ import numpy as np
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
+from ..devices import to_device
 from ..loading import ModelSource
 from ..tasks import Task
-from .base import EncoderOptions, EncoderTask, lengths, output_type, tensor_output, to_device
+from .base import EncoderOptions, EncoderTask, lengths, output_type, tensor_output
 from .params import Output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model

@@ -9,9 +9,10 @@ import numpy as np
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
+from ..devices import to_device
 from ..errors import BadRequest, StartupError
 from ..tasks import Task
-from .base import EncoderTask, bytes_output, host_array, output_type, to_device
+from .base import EncoderTask, bytes_output, host_array, output_type
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch

@@ -10,10 +10,11 @@ import numpy as np
 from kserve.protocol.infer_type import InferOutput
 from transformers import BatchEncoding
 
+from ..devices import to_device
 from ..sentence.config import SpladePooling
 from ..tasks import Task
 from ..units import MiB
-from .base import EncoderTask, output_type, pad_rows, tensor_output, to_device
+from .base import EncoderTask, output_type, pad_rows, tensor_output
 
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch

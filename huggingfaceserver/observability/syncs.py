@@ -4,7 +4,9 @@ round trips, counted on any machine.
 On a GPU, reading a tensor's values into Python (``.item()``, ``int()``, ``bool()``,
 ``.tolist()``, ``.numpy()``), copying it to the host, ops whose output size depends on the
 values (``nonzero``, boolean indexing, ``masked_select``), and copying host values onto the
-device from pageable memory (``torch.tensor(values, device=...)``) make the host wait until the
+device from pageable memory (``torch.tensor(values, device=...)``, and indexing a device's
+tensor with host values, ``t[[0, 2]]`` or ``t[rows] = 0`` with ``rows`` a list, a NumPy array
+or a host tensor: torch copies the index onto the device first) make the host wait until the
 device has caught up. :class:`SyncCounter` counts them while it is active, with torch's public
 :class:`~torch.overrides.TorchFunctionMode` (the Python-level reads: ``tolist`` never reaches
 the dispatcher, and under ``torch.inference_mode`` neither does the scalar read behind
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,7 +41,10 @@ TRANSFERS = frozenset({"cpu", "to", "copy_"})
 FACTORIES = frozenset({"tensor", "as_tensor"})
 """Factories that copy host values onto a device when given one (``device=``): from pageable
 memory, which on a GPU waits for every kernel already queued
-(:func:`~huggingfaceserver.encoder_tasks.base.to_device` copies without waiting)."""
+(:func:`~huggingfaceserver.devices.to_device` copies without waiting)."""
+INDEX_METHODS = frozenset({"__getitem__", "__setitem__"})
+"""Indexing from Python, whose index may be host values that torch copies onto the indexed
+tensor's device from pageable memory."""
 aten = torch.ops.aten
 VALUE_SIZED = frozenset(
     {
@@ -117,6 +123,21 @@ class SyncCounter:
             return False
         return torch.device(device).type == self.device.type
 
+    def host_values(self, value: Any) -> bool:
+        """Whether an index is host values that indexing a watched tensor copies onto the
+        device: a list, a NumPy array, a host tensor of one dimension or more (with a CPU watched,
+        none: the same tensor is on the device there); a tuple is one index per dimension."""
+        if isinstance(value, tuple):
+            return any(isinstance(v, tuple) or self.host_values(v) for v in value)
+        if isinstance(value, list | np.ndarray):
+            return True
+        return (
+            isinstance(value, torch.Tensor)
+            and self.device.type != "cpu"
+            and value.device.type == "cpu"
+            and value.dim() > 0
+        )
+
     def __enter__(self) -> SyncCounter:
         self._modes = [_Reads(self), _Ops(self)]
         for mode in self._modes:
@@ -164,6 +185,13 @@ class _Reads(TorchFunctionMode):
             self.counter.counts[name] += 1
         elif name in FACTORIES and self.counter.onto(kwargs.get("device"), source):
             self.counter.counts[f"{name} onto the device"] += 1
+        elif (
+            name in INDEX_METHODS
+            and self.counter.watched(source)
+            and len(args) > 1
+            and self.counter.host_values(args[1])
+        ):
+            self.counter.counts[f"{name} with host values"] += 1
         elif (
             name in TRANSFERS
             and self.counter.device.type != "cpu"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from huggingfaceserver.encoder_tasks.base import to_device
+from huggingfaceserver.devices import to_device
 from huggingfaceserver.observability.syncs import SyncCounter
 
 
@@ -37,6 +37,24 @@ def test_host_values_copied_onto_the_device_count_unless_staged() -> None:
     with SyncCounter("cuda") as counter:
         torch.tensor([1, 2], device="cpu")
     assert counter.total == 0  # onto the host: no wait
+
+
+def test_indexing_with_host_values_counts() -> None:
+    """A list, a NumPy array or (on an accelerator) a host tensor as an index is copied onto
+    the indexed tensor's device first; slices, integers and the device's own tensors are not."""
+    t = torch.zeros(4, 3)
+    with SyncCounter() as counter:
+        t[[0, 2]], t[np.array([1])], t[:, [0, 1]], t[(0, 2),]
+        t[[0, 1]] = 1.0
+        t[0], t[0, 1], t[:, 0], t[torch.tensor([0, 1])]
+        t[0] = 2.0
+        t[1:3] = torch.ones(3)
+    assert counter.counts == {"__getitem__ with host values": 4, "__setitem__ with host values": 1}
+    on_device = torch.zeros(4, 3, device="meta")  # an accelerator's tensors, without one
+    with SyncCounter("meta") as counter:
+        on_device[torch.tensor([0, 1])], on_device[torch.tensor(1)]
+        on_device[torch.zeros(2, dtype=torch.long, device="meta")]
+    assert counter.counts == {"__getitem__ with host values": 1}
 
 
 def test_with_an_accelerator_only_its_tensors_count() -> None:

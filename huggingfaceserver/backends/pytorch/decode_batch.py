@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 from .adapters import LoraAdapters, row_adapter
 from .kv_cache import MixedColumns, PartColumns, ReservedCache, full_attention_layers
 from .ragged import MIXED, MixedAttention, agree, enable_mixed_steps

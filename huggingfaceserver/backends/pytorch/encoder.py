@@ -12,7 +12,7 @@ import transformers
 from transformers import BatchEncoding
 
 from ...cli import ServerConfig
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 from ...loading import ModelSource, device, load_pretrained, resolve_dtype
 from ..tokenizing import EncoderFacts, TokenizingEncoder
 from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads

@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""

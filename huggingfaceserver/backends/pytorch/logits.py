@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 from ...errors import BadRequest, ServerError
 from ...generation.constraints import GrammarMatcher
 from ...generation.params import SamplingParams, TokenLogprob

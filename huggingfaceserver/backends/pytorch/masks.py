@@ -12,7 +12,7 @@ import llguidance.numpy
 import numpy as np
 import torch
 
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 from ...errors import BadRequest
 from ...generation.constraints import GrammarMatcher
 

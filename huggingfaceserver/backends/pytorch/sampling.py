@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...encoder_tasks.base import to_device
+from ...devices import to_device
 from ...errors import BadRequest
 from ...generation.params import SamplingParams, TokenLogprob
 from .logits import SamplingRow, filter_for_sampling, holds_back_stops, why_unusable
