@@ -17,8 +17,9 @@ Generation, on :func:`bench.models.build_long_llama` (hidden 64, 2 layers):
   (``/proc``) per decode step of 32 rows (its CPU per generated token, times 32) against
   ``generate``'s CPU per step at batch 32, in the benchmark process, measured in turn with
   the engine's runs (the server idle meanwhile).
-- **Decode-step graphs recorded again**, in the benchmark process: mixed traffic with the
-  steps recorded per bucket as on a GPU, replayed eagerly (:func:`graph_recordings`).
+- **Decode-step graphs recorded again, and steps queued ahead**, in the benchmark process:
+  mixed traffic with the steps recorded per bucket as on a GPU, replayed eagerly, and queued
+  ahead as on a GPU (:func:`graph_recordings`).
 
 Encoders, on :func:`bench.models.build_overhead_encoder` (a BERT classifier, hidden 32, 2
 layers):
@@ -175,6 +176,10 @@ class GraphRun:
     recordings: int
     buckets: int
     """The bucket sizes a graph may be recorded for."""
+    forwards: int = 0
+    """Every forward: decode steps, those that fed prompts too, prompts' own."""
+    stepped_ahead: int = 0
+    """Decode steps queued before the host read the tokens of the step before."""
 
 
 @dataclass
@@ -284,7 +289,10 @@ class HostCostResult:
                 " ".join(_markdown(graph_recordings.__doc__ or "").split("\n\n")[0].split()),
                 "",
                 f"**{run.recordings} graphs recorded for {run.replayed} decode steps replayed** "
-                f"({run.requests} requests; {run.buckets} bucket sizes).",
+                f"({run.requests} requests; {run.buckets} bucket sizes). "
+                f"**{run.stepped_ahead} of {run.forwards} forwards queued ahead** "
+                f"({run.stepped_ahead / max(run.forwards, 1):.0%}; the others: prompts' own "
+                "forwards, steps that fed prompts, steps after a turn that admitted one).",
             ]
         lines += [
             "",
@@ -474,12 +482,19 @@ def graph_recordings(model_dir: Path) -> GraphRun:
     more means the buffers were replaced (grown, or moved where they had room) or the loop
     stepped on another cache. Target: at most one per bucket size.
 
+    The decode steps are queued ahead as on a GPU (the next step queued on the device's
+    tokens before the host reads them and makes their text); the steps queued so against every
+    forward: on a GPU the host's work of the others is not overlapped (a turn that admits a
+    request, feeds a prompt or a part of one runs the step queued ahead first, then a step
+    not queued ahead).
+
     Requests are greedy, with ``ignore_eos``."""
     config = parse_args(["--model_dir", str(model_dir), "--max_batch_size", str(STREAMS)])
     backend = TransformersGenerator(load_source(config), config)
     backend.load()
     graphs = StepGraphs(backend.max_rows, eager)
     backend.graphs = graphs
+    backend.batcher.step_ahead = True
     draw = random.Random(0)
     jobs = [
         (
@@ -501,14 +516,20 @@ def graph_recordings(model_dir: Path) -> GraphRun:
         await asyncio.gather(*(client(queue) for _ in range(GRAPH_CLIENTS)))
 
     try:
-        asyncio.run(clients())
+        with forward_cpu(backend.model) as forwards:
+            asyncio.run(clients())
     finally:
         backend.shutdown()
+    ahead = backend.batcher.stepped_ahead
     logger.info(
-        "  %s, mixed traffic: %d graphs recorded for %d steps replayed",
-        KEY, graphs.recordings, graphs.replayed,
+        "  %s, mixed traffic: %d graphs recorded for %d steps replayed; %d of %d forwards "
+        "queued ahead",
+        KEY, graphs.recordings, graphs.replayed, ahead, forwards[0],
     )  # fmt: skip
-    return GraphRun(GRAPH_REQUESTS, graphs.replayed, graphs.recordings, len(graphs.sizes))
+    sizes = len(graphs.sizes)
+    return GraphRun(
+        GRAPH_REQUESTS, graphs.replayed, graphs.recordings, sizes, int(forwards[0]), ahead
+    )
 
 
 async def _streams(url: str, prompts: list[str]) -> int:

@@ -27,3 +27,27 @@ def to_device(
     if device.type == "cuda" and tensor.numel():  # nothing to copy: no pinned block either
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host. On CUDA they are copied into pinned
+    memory without waiting, the copy queued after the work that makes them, and :meth:`values`
+    waits for that copy alone: what the host queues on the device in between (the next decode
+    step) runs while it waits. Elsewhere (a CPU) the values are read when asked for."""
+
+    def __init__(self, tensor: torch.Tensor):
+        import torch
+
+        self.ready: torch.cuda.Event | None = None
+        self.host = tensor
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def values(self) -> list[Any]:
+        """The values as Python numbers (``tolist``), once the copy is in."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()

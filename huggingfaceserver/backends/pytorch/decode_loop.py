@@ -21,6 +21,14 @@ chooses every row's next token with its own settings in one pass, copying to the
 and each request receives its own rows' deltas. Finished rows and rows of requests
 whose consumer left drop out after the step.
 
+On a GPU the next step is queued ahead (``step_ahead``, as vLLM's asynchronous scheduling):
+once a step's tokens are chosen on the device, the next step is queued on them before the host
+reads them, so that the device runs it while the host makes the text, finds the stops and
+sends the deltas. A row that ends has then fed one step more, whose logits go with it. A turn
+that admits requests, feeds parts of prompts or runs a call first reads the step queued ahead
+(the new prompts join the step after it); a constrained row (its grammar's mask needs its last
+token on the host) or a second running batch queue nothing ahead.
+
 The failure domain is one request. A failing prefill fails its own request (a group's prompts
 are then run one at a time). A step whose forward fails is retried with each request's rows in
 a batch of their own (where the batch splits), so that only the request that breaks the model
@@ -43,6 +51,7 @@ from typing import TypeVar
 import torch
 
 from ...cli import ServerConfig
+from ...devices import to_device
 from ...errors import NotReady, ServerError
 from ...generation.params import ChoiceDelta, TokenLogprob
 from ...observability.metrics import DecodeLoopMetrics, Timeline
@@ -124,6 +133,11 @@ class Running:
     owners: list[DecodeRequest]
     sampler: SamplingBatch | None = None
     """The sampling side of the rows, remade when they change (see :meth:`sampling`)."""
+    ahead: torch.Tensor | None = None
+    """The logits of the rows' next decode step, queued before the host read this step's
+    tokens (:meth:`ContinuousBatcher._step_ahead`); the rows that ended since are dropped."""
+    ahead_error: Exception | None = None
+    """What queueing that step raised: the next turn's step fails with it."""
 
     def sampling(self, logits: torch.Tensor) -> SamplingBatch:
         """The rows' sampling batch: the one of the last step while the rows are the same."""
@@ -154,8 +168,15 @@ class ContinuousBatcher:
         part_tokens: int = ServerConfig.prefill_chunk_tokens,
         retire: Callable[[DecodeBatch], None] = let_go,
         settle: Callable[[DecodeBatch], None] = let_go,
+        step_ahead: bool = False,
     ):
         self.new_batch = new_batch
+        self.step_ahead = step_ahead
+        """Whether a batch's next decode step is queued before the host reads its tokens
+        (:meth:`_step_ahead`): on a GPU, where the step then runs while the host makes the
+        text; on a CPU the forward runs as it is queued, and there is nothing to overlap."""
+        self.stepped_ahead = 0
+        """Decode steps queued ahead so far."""
         self.retire = retire
         """Called with each batch whose rows have all ended (not one whose forward failed):
         the batch's maker may keep its KV cache for the next one."""
@@ -228,6 +249,12 @@ class ContinuousBatcher:
                 if self.closed:
                     break
                 admitted = self._admit()
+                joins = bool(admitted or self.prefilling or self.calls)
+            if joins:  # they join the step after the one queued ahead, which runs first
+                with torch.inference_mode(), deferred():
+                    for group in list(self.running):
+                        if group.ahead is not None or group.ahead_error is not None:
+                            self._step(group, ahead=False)
             self.calls.run()
             with torch.inference_mode(), deferred():  # loops woken once per step
                 whole = self._begin_in_parts(admitted)
@@ -493,9 +520,11 @@ class ContinuousBatcher:
         group: Running,
         joining: list[DecodeRequest] | None = None,
         parts: list[FedPart] | None = None,
+        ahead: bool = True,
     ) -> None:
-        """One decode step of a batch, feeding the prompts of the ``joining`` requests and the
-        next ``parts`` of prompts fed in parts in the same forward
+        """One decode step of a batch (the one queued ahead at the last step where there is
+        one; ``ahead``: whether this one may queue the next), feeding the prompts of the
+        ``joining`` requests and the next ``parts`` of prompts fed in parts in the same forward
         (:meth:`~.decode_batch.DecodeBatch.step_mixing`): the joining requests' rows then join
         the batch, as do those of a prompt whose last part it was. A forward that fails is
         retried with each request's rows apart (:meth:`_retry_apart`), after the joining
@@ -512,8 +541,15 @@ class ContinuousBatcher:
             for part, take in parts
         ]
         try:
-            inputs = group.inputs()
-            if joining or parts:
+            if group.ahead is not None or group.ahead_error is not None:
+                assert not (joining or parts)  # the loop ran it before they were admitted
+                logits, error = group.ahead, group.ahead_error
+                group.ahead = group.ahead_error = None
+                if error is not None:
+                    raise error
+                assert logits is not None
+            elif joining or parts:
+                inputs = group.inputs()
                 prompts = [request.prompt_ids for request in joining]
                 copies = [len(request.rows) for request in joining]
                 # every joining request's and part's (_mixable, _packable)
@@ -524,6 +560,7 @@ class ContinuousBatcher:
                     lambda: group.batch.step_mixing(inputs, prompts, copies, adapter, fed),
                 )
             else:  # only the first batch replays the recorded steps (one cache for them)
+                inputs = group.inputs()
                 graphed = group is self.running[0]
                 logits = self.threads.run(
                     decode_bucket(len(group.rows)), lambda: group.batch.step(inputs, graphed)
@@ -547,15 +584,17 @@ class ContinuousBatcher:
         group.rows += [row for request in joining for row in request.rows]
         group.owners += [request for request in joining for _ in request.rows]
         try:
-            self._advance(group, logits, joining=joining)
+            self._advance(group, logits, joining=joining, ahead=ahead)
         except Exception as exc:
             logger.exception("a decode step failed for %d requests", len(set(group.owners)))
             for request in dict.fromkeys(group.owners):
                 self._end(request, exc)
             group.rows.clear()
+            group.ahead = group.ahead_error = None
             self.running.remove(group)
         else:
             if not group.rows:
+                group.ahead = group.ahead_error = None
                 self.running.remove(group)
                 self.retire(group.batch)
         for (part, take), feed in zip(parts, fed, strict=True):  # as _feed_part returns them
@@ -602,16 +641,18 @@ class ContinuousBatcher:
         first: bool = False,
         prompt_logprobs: Scored | None = None,
         joining: list[DecodeRequest] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Choose the rows' next tokens, send each request its deltas (the first ones with
         the prompt's logprobs, when scored), drop the rows that finished or whose request was
         cancelled. ``first``: every row's first token; ``joining``: the requests whose first
-        tokens these are, the others' rows stepping."""
+        tokens these are, the others' rows stepping; ``ahead``: the next step may be queued on
+        the tokens before they are read (:meth:`_step_ahead`)."""
         deltas: dict[DecodeRequest, list[ChoiceDelta]] = {}
         failed: dict[DecodeRequest, Exception] = {}
-        for owner, outcome in zip(
-            group.owners, advance(group.rows, logits, group.sampling(logits)), strict=True
-        ):
+        then = partial(self._step_ahead, group) if ahead and not first else None
+        outcomes = advance(group.rows, logits, group.sampling(logits), then)
+        for owner, outcome in zip(group.owners, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 failed.setdefault(owner, outcome)
                 continue
@@ -648,8 +689,40 @@ class ContinuousBatcher:
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
             self._end(owner, None)
         group.batch.keep(live)  # none too: a batch left empty may be kept (retire)
+        if group.ahead is not None:  # the ended rows' next logits go
+            kept = to_device(live, group.ahead.device, torch.long)
+            group.ahead = group.ahead.index_select(0, kept)
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
+
+    def _step_ahead(self, group: Running) -> bool:
+        """Queue the group's next decode step on the tokens just chosen (on the device),
+        before the host reads them: on a GPU that step runs while the host makes this one's
+        text and finds its stops (vLLM's asynchronous scheduling). Whether it did: only for the
+        one running batch (which replays the recorded steps), with no request waiting to be
+        admitted, no prompt fed in parts and no call to run (they join a step not queued
+        ahead), and no constrained row (the grammar's mask for its next token needs this one).
+        A row that ends with this step has fed the next one a token more; its logits are
+        dropped with it (:meth:`_advance`), its output unchanged."""
+        sampler = group.sampler
+        if not (
+            self.step_ahead
+            and self.running == [group]
+            and not (self.waiting or self.prefilling or self.calls)
+            and sampler is not None
+            and sampler.tokens is not None
+            and not (sampler.broken or sampler.constrained)
+        ):
+            return False
+        tokens = sampler.tokens
+        try:
+            group.ahead = self.threads.run(
+                decode_bucket(len(group.rows)), lambda: group.batch.step(tokens, True)
+            )
+        except Exception as exc:  # the next turn's step fails with it (retried apart)
+            group.ahead_error = exc
+        self.stepped_ahead += 1
+        return True
 
     def _end(self, request: DecodeRequest, outcome: BaseException | None) -> None:
         """The last word to an admitted request: None when it is done, or what failed it."""

@@ -187,6 +187,7 @@ class TransformersGenerator(GenerationBackend):
             self.config.prefill_chunk_tokens,
             self.retire_batch,
             self.settle_batch,
+            step_ahead=self.device.type == "cuda",  # a CPU runs each forward as it is queued
         )
         self.idle_cache: ReservedCache | None = None
         """The KV cache of the last batch whose rows all ended, kept for the next batch that

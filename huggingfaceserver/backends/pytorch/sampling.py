@@ -30,12 +30,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from ...devices import to_device
+from ...devices import HostCopy, to_device
 from ...errors import BadRequest
 from ...generation.params import SamplingParams, TokenLogprob
 from .logits import SamplingRow, filter_for_sampling, holds_back_stops, why_unusable
@@ -286,22 +286,39 @@ class SamplingBatch:
         """Each row's next token, and its logprobs where the row asked for them (one copy to
         the host); the device state (counts, generated tokens, :attr:`tokens`) takes them in.
         A row-level problem fails its row and is returned, never raised."""
+        return self.begin(logits).result()
+
+    def begin(self, logits: torch.Tensor, volatile: bool = False) -> Chosen:
+        """:meth:`choose` up to the copy to the host, which is under way when this returns:
+        the tokens are chosen on the device, the device state has taken them in (:attr:`tokens`
+        is the next step's input), and :meth:`Chosen.result` reads them. ``volatile``: the
+        device may overwrite ``logits`` before then (a recorded step's output, with the next
+        step queued in between), so a failed row's logits are kept apart for its error."""
         if logits.shape[0] != len(self.rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(self.rows)} rows")
         raw = logits.float()
+        if volatile and raw.data_ptr() == logits.data_ptr():
+            raw = raw.clone()
         try:
-            return self._choose(raw)
+            return self._begin(raw)
         except Exception:
             logger.warning(
                 "choosing %d rows' tokens failed; row by row", len(self.rows), exc_info=True
             )
+        return Chosen(self, raw, done=self.row_by_row(raw))
+
+    def row_by_row(self, raw: torch.Tensor) -> NextTokens:
+        """Each row's outcome with the row in a batch of its own, after the batch's own choice
+        failed as a whole: only the rows that raise fail. The device state lags from here on
+        (:attr:`broken`)."""
         self.broken = True
         tokens: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         failures: dict[int, Exception] = {}
         for i, row in enumerate(self.rows):
             try:
-                alone = SamplingBatch([row], self.vocab, self.device)._choose(raw[i : i + 1])
+                one = SamplingBatch([row], self.vocab, self.device)
+                alone = one._begin(raw[i : i + 1]).result(redo=False)
             except Exception as exc:
                 alone = NextTokens([None], [None], {0: exc})
             tokens += alone.tokens
@@ -350,7 +367,7 @@ class SamplingBatch:
         apply(part)
         logits.index_copy_(0, index, part)
 
-    def _choose(self, raw: torch.Tensor) -> NextTokens:
+    def _begin(self, raw: torch.Tensor) -> Chosen:
         processed, failures = self.process(raw)
         usable = processed.amax(dim=-1).isfinite()
         if self.all_sampled:  # no row takes the argmax
@@ -373,8 +390,7 @@ class SamplingBatch:
                 top.indices.flatten().double(),
             ]
         self._take_in(tokens)
-        host = to_host(torch.cat(parts))
-        return self._unpack(host, raw, processed, failures)
+        return Chosen(self, raw, processed, failures, HostCopy(torch.cat(parts)))
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled rows' tokens from their processed ``logits``, and whether each row's
@@ -411,7 +427,7 @@ class SamplingBatch:
                 (rows, new), torch.ones_like(new, dtype=torch.float32), accumulate=True
             )
 
-    def _unpack(
+    def unpack(
         self,
         host: list[float],
         raw: torch.Tensor,
@@ -450,9 +466,34 @@ class SamplingBatch:
         return NextTokens(tokens, logprobs, failures)
 
 
-def to_host(tensor: torch.Tensor) -> list[float]:
-    """A 1-d tensor's values in Python: the step's one copy to the host (and its one wait for
-    the device)."""
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
-    return tensor.tolist()
+@dataclass(eq=False)
+class Chosen:
+    """A step's tokens chosen on the device, their copy to the host under way
+    (:meth:`SamplingBatch.begin`); :meth:`result` reads them."""
+
+    batch: SamplingBatch
+    raw: torch.Tensor
+    """The rows' logits, as floats: a failed row's error looks into them."""
+    processed: torch.Tensor | None = None
+    failures: dict[int, Exception] = field(default_factory=dict)
+    """The rows failed before the copy (their grammar)."""
+    copy: HostCopy | None = None
+    """The tokens, whether each row's logits were usable and drawable, the logprobs asked for."""
+    done: NextTokens | None = None
+    """The outcome already made (row by row, after the batch failed as a whole)."""
+
+    def result(self, redo: bool = True) -> NextTokens:
+        """Each row's outcome, once the copy is in: the step's one wait for the device.
+        ``redo``: whether a failure to read it is redone row by row (not once a step was fed
+        these tokens: the rows' tokens would be drawn again)."""
+        if self.done is not None:
+            return self.done
+        assert self.copy is not None and self.processed is not None
+        try:
+            return self.batch.unpack(self.copy.values(), self.raw, self.processed, self.failures)
+        except Exception:
+            if not redo:
+                raise
+            rows = len(self.batch.rows)
+            logger.warning("reading %d rows' tokens failed; row by row", rows, exc_info=True)
+        return self.batch.row_by_row(self.raw)

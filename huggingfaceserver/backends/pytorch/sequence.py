@@ -7,6 +7,7 @@ problem of one row (its settings, its logits, its grammar, its text) fails that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,15 +67,24 @@ class SequenceState:
 
 
 def advance(
-    rows: list[SequenceState], logits: torch.Tensor, sampler: SamplingBatch
+    rows: list[SequenceState],
+    logits: torch.Tensor,
+    sampler: SamplingBatch,
+    ahead: Callable[[], bool] | None = None,
 ) -> list[ChoiceDelta | Exception]:
     """Choose each row's next token from its logits ``[rows, vocab]`` with ``sampler`` (the
     rows' :class:`~.sampling.SamplingBatch`): per row, its delta, or the exception that
     failed that row (its settings, logits, grammar or text; see
     :class:`~.sampling.NextTokens`). Nothing a row does raises here, and the other rows'
     tokens are those they would have had without the failed ones; only a batch-level mistake
-    (logits for another number of rows) raises."""
-    tokens, logprobs, failures = sampler.choose(logits)
+    (logits for another number of rows) raises.
+
+    ``ahead``: called once the tokens are chosen on the device and their copy to the host is
+    under way, before the host waits for it; it may queue the next step on them (returning
+    whether it did), which then runs on the device while the host makes this step's text."""
+    chosen = sampler.begin(logits, volatile=ahead is not None)
+    stepped = ahead() if ahead is not None and chosen.done is None else False
+    tokens, logprobs, failures = chosen.result(redo=not stepped)
     outcomes: list[ChoiceDelta | Exception] = []
     for index, (row, token) in enumerate(zip(rows, tokens, strict=True)):
         if token is None:

@@ -105,6 +105,20 @@ def tokens(results: list[list[Choice]]) -> list[list[list[int]]]:
     return [[choice.token_ids for choice in choices] for choices in results]
 
 
+def assert_same_choices(together: list[list[Choice]], expected: list[list[Choice]]) -> None:
+    """Each request's choices as expected: tokens, texts, finish reasons, the logprobs' tokens
+    (and their top tokens) and values within 1e-4."""
+    assert tokens(together) == tokens(expected)
+    for got, want in zip(together, expected, strict=True):
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        for mine, theirs in zip(got, want, strict=True):
+            assert [lp.token_id for lp in mine.logprobs] == [lp.token_id for lp in theirs.logprobs]
+            for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 async def test_late_requests_join_the_batch_and_greedy_is_unchanged(backends, name) -> None:
     backend = backends(name, sharp=name == "gpt2")
@@ -315,15 +329,7 @@ async def test_each_request_keeps_its_own_settings(backends) -> None:
     with slow_forward(backend), forward_batch_sizes(backend) as sizes:
         together = await staggered(backend, requests)
     assert max(sizes) > 2
-    assert tokens(together) == tokens(expected)
-    for got, want in zip(together, expected, strict=True):
-        assert [c.text for c in got] == [c.text for c in want]
-        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
-        for mine, theirs in zip(got, want, strict=True):
-            assert [lp.token_id for lp in mine.logprobs] == [lp.token_id for lp in theirs.logprobs]
-            for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
-                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert_same_choices(together, expected)
 
 
 async def test_requests_admitted_together_prefill_together_and_keep_their_settings(
@@ -647,14 +653,31 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
     CPU). A decode step's forward adds none (its mask comes ready-made); a prompt's adds at most
     one (transformers' SDPA mask check reads whether the padding mask is all ones)."""
     backend = backends("llama")
+    counter, shapes = await waits_of_every_kind(backend)
+    steps = [rows for rows, tokens in shapes if tokens == 1]
+    assert max(steps) == len(EVERY_KIND) * 2
+    assert len(steps) >= GREEDY.max_tokens - 1  # type: ignore[operator]
+    assert counter.outside_module == len(shapes), counter.counts
+    assert counter.in_module <= len(shapes) - len(steps), counter.counts
+
+
+EVERY_KIND = [
+    GREEDY,
+    replace(GREEDY, logprobs=2, repetition_penalty=1.2),
+    SamplingParams(seed=7, top_k=20, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, max_tokens=16, ignore_eos=True),
+    SamplingParams(frequency_penalty=0.5, logit_bias={5: 3.0}, max_tokens=16, ignore_eos=True),
+]
+"""Rows of every kind of sampling, each :data:`GREEDY`'s 16 tokens."""
+
+
+async def waits_of_every_kind(
+    backend: TransformersGenerator,
+) -> tuple[SyncCounter, list[tuple[int, int]]]:
+    """Two requests of each of :data:`EVERY_KIND` submitted at once (admitted at the same
+    step): the host synchronisations counted on the decode thread, and every forward's shape
+    (rows, positions)."""
     ids = [prompt(backend, text) for text in PROMPTS]
-    kinds = [
-        GREEDY,
-        replace(GREEDY, logprobs=2, repetition_penalty=1.2),
-        SamplingParams(seed=7, top_k=20, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, max_tokens=16, ignore_eos=True),
-        SamplingParams(frequency_penalty=0.5, logit_bias={5: 3.0}, max_tokens=16, ignore_eos=True),
-    ]
     finished = threading.Semaphore(0)
 
     def emit(item) -> None:
@@ -664,7 +687,7 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
 
     requests = [
         DecodeRequest(backend.new_sequences(ids[i % len(ids)], params), emit)
-        for i, params in enumerate(kinds * 2)
+        for i, params in enumerate(EVERY_KIND * 2)
     ]
     counter = SyncCounter()
     batcher = backend.batcher
@@ -674,11 +697,7 @@ async def test_a_decode_step_waits_for_the_device_once(backends) -> None:
         for _ in requests:
             await asyncio.to_thread(finished.acquire)
     batcher.run_on_loop(lambda: counter.__exit__(None, None, None))
-    steps = [rows for rows, tokens in shapes if tokens == 1]
-    assert max(steps) == len(requests)
-    assert len(steps) >= GREEDY.max_tokens - 1  # type: ignore[operator]
-    assert counter.outside_module == len(shapes), counter.counts
-    assert counter.in_module <= len(shapes) - len(steps), counter.counts
+    return counter, shapes
 
 
 @pytest.fixture(scope="module")

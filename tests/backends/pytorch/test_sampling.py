@@ -355,3 +355,29 @@ def test_counts_carry_over_when_rows_change():
     assert after is not sampler
     assert after.counts is not None
     assert after.counts.tolist() == [[0, 0, 0, 0, 0, 2.0], [0, 0, 1.0, 0, 1.0, 0]]
+
+
+def test_a_step_begun_then_read_later_gives_what_choose_gives() -> None:
+    """:meth:`SamplingBatch.begin` chooses on the device and :meth:`Chosen.result` reads the
+    outcome later, after the next step was queued: the tokens and logprobs of ``choose``. With
+    ``volatile`` (the logits are a recorded step's output, which the next step overwrites in
+    between) a failed row is still told from its own logits: NaN, not a 400 about the
+    request's settings."""
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=5, logprobs=1)]
+
+    def rows() -> list[Row]:
+        return [Row(params[0]), Row(params[1], generator=seeded(1))]
+
+    logits = random_logits(rows=2, vocab=VOCAB)
+    reference = SamplingBatch.for_rows(rows(), logits, None).choose(logits)
+    batch = SamplingBatch.for_rows(rows(), logits, None)
+    chosen = batch.begin(logits, volatile=True)
+    assert batch.tokens is not None and batch.tokens.tolist() == reference.tokens
+    assert chosen.result() == reference
+
+    broken = logits.clone().index_fill_(1, torch.tensor([7]), float("nan"))
+    chosen = SamplingBatch.for_rows(rows(), broken, None).begin(broken, volatile=True)
+    broken.copy_(logits)  # the next step's logits, in the same tensor
+    failures = chosen.result().failures
+    assert set(failures) == {0, 1}
+    assert {str(failure) for failure in failures.values()} == {"the model's logits are NaN"}
