@@ -292,7 +292,8 @@ class HostCostResult:
                 f"({run.requests} requests; {run.buckets} bucket sizes). "
                 f"**{run.stepped_ahead} of {run.forwards} forwards queued ahead** "
                 f"({run.stepped_ahead / max(run.forwards, 1):.0%}; the others: prompts' own "
-                "forwards, steps that fed prompts, steps after a turn that admitted one).",
+                "forwards, and the steps that fed prompts or parts of them, queued in the turn "
+                "that admitted them).",
             ]
         lines += [
             "",
@@ -484,9 +485,9 @@ def graph_recordings(model_dir: Path) -> GraphRun:
 
     The decode steps are queued ahead as on a GPU (the next step queued on the device's
     tokens before the host reads them and makes their text); the steps queued so against every
-    forward: on a GPU the host's work of the others is not overlapped (a turn that admits a
-    request, feeds a prompt or a part of one runs the step queued ahead first, then a step
-    not queued ahead).
+    forward. A turn that admits a request or feeds a part of a prompt reads the step queued
+    ahead first, then queues a step that feeds the prompt: on a GPU the host's work for the
+    step it read is not overlapped.
 
     Requests are greedy, with ``ignore_eos``."""
     config = parse_args(["--model_dir", str(model_dir), "--max_batch_size", str(STREAMS)])
