@@ -7,6 +7,7 @@
 #
 #   bash bench/gpu_run.sh --only encoder --output "$OUT/gpu-encoder.md"
 #   bash bench/gpu_run.sh --only generation --output "$OUT/gpu-generation.md"
+#   bash bench/gpu_run.sh --tests     # the `gpu`-marked tests instead, log in $OUT/gpu-tests.log
 set -euo pipefail
 OUT=${OUT:-.cache/bench/out}
 mkdir -p "$OUT"
@@ -20,6 +21,15 @@ if [ ! -f "$SITE/.installed" ]; then
     touch "$SITE/.installed"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+if [ "${1:-}" = "--tests" ]; then  # the files that hold them: the others need the CPU's tools
+    files=$(grep -rl --include='*.py' 'mark.gpu' tests | sort)
+    status=0
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pytest -p no:cacheprovider -m gpu -rA $files 2>&1 \
+        | tee "$OUT/gpu-tests.log" || status=$?
+    exit "$status"
+fi
 
 case " $* " in
     *" --output "*|*" --output="*) output=() ;;

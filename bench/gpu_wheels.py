@@ -60,6 +60,9 @@ serves encoders on the CPU only, while the GPU benchmark serves them on torch; t
 copies keep the folder under 45 MB, inside the 64 MiB a device call carries."""
 BENCH_REQUIREMENTS = ("aiohttp", "uvloop", "pyzmq", "msgspec")
 """The load generator's, and the multi-process server's (in case pyproject lacks them)."""
+GPU_TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "openai")
+"""What the ``gpu``-marked tests' modules import beyond the server's closure
+(``bash bench/gpu_run.sh --tests``)."""
 MINILM_TOKENIZER = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -69,9 +72,10 @@ MINILM_TOKENIZER = (
 
 
 def requirements(pyproject: Path) -> list[str]:
-    """The server's dependencies and the benchmark's, less the device-provided ones."""
+    """The server's dependencies, the benchmark's and the GPU tests', less the device-provided
+    ones."""
     declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    wanted = [*declared, *BENCH_REQUIREMENTS]
+    wanted = [*declared, *BENCH_REQUIREMENTS, *GPU_TEST_REQUIREMENTS]
     seen: set[str] = set()
     kept = []
     for text in wanted:
