@@ -60,7 +60,7 @@ serves encoders on the CPU only, while the GPU benchmark serves them on torch; t
 copies keep the folder under 45 MB, inside the 64 MiB a device call carries."""
 BENCH_REQUIREMENTS = ("aiohttp", "uvloop", "pyzmq", "msgspec")
 """The load generator's, and the multi-process server's (in case pyproject lacks them)."""
-GPU_TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "openai")
+GPU_TEST_REQUIREMENTS = ("pytest", "pytest-asyncio")
 """What the ``gpu``-marked tests' modules import beyond the server's closure
 (``bash bench/gpu_run.sh --tests``)."""
 MINILM_TOKENIZER = (
