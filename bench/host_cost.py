@@ -292,8 +292,7 @@ class HostCostResult:
                 f"({run.requests} requests; {run.buckets} bucket sizes). "
                 f"**{run.stepped_ahead} of {run.forwards} forwards queued ahead** "
                 f"({run.stepped_ahead / max(run.forwards, 1):.0%}; the others: prompts' own "
-                "forwards, and the steps that fed prompts or parts of them, queued in the turn "
-                "that admitted them).",
+                "forwards, the steps after a prompt's last part).",
             ]
         lines += [
             "",
@@ -484,10 +483,9 @@ def graph_recordings(model_dir: Path) -> GraphRun:
     stepped on another cache. Target: at most one per bucket size.
 
     The decode steps are queued ahead as on a GPU (the next step queued on the device's
-    tokens before the host reads them and makes their text); the steps queued so against every
-    forward. A turn that admits a request or feeds a part of a prompt reads the step queued
-    ahead first, then queues a step that feeds the prompt: on a GPU the host's work for the
-    step it read is not overlapped.
+    tokens before the host reads them and makes their text, a step that feeds new prompts
+    too); the steps queued so against every forward: on a GPU the host's work of the step
+    before each of the others is not overlapped.
 
     Requests are greedy, with ``ignore_eos``."""
     config = parse_args(["--model_dir", str(model_dir), "--max_batch_size", str(STREAMS)])

@@ -24,10 +24,12 @@ whose consumer left drop out after the step.
 On a GPU the next step is queued ahead (``step_ahead``, as vLLM's asynchronous scheduling):
 once a step's tokens are chosen on the device, the next step is queued on them before the host
 reads them, so that the device runs it while the host makes the text, finds the stops and
-sends the deltas. A row that ends has then fed one step more, whose logits go with it. A turn
-that admits requests, feeds parts of prompts or runs a call first reads the step queued ahead
-(the new prompts join the step after it); a constrained row (its grammar's mask needs its last
-token on the host) or a second running batch queue nothing ahead.
+sends the deltas. A row that ends has then fed one step more, whose logits go with it. The
+step that feeds new prompts and parts of prompts is queued the same way, in the shadow of the
+step queued before it, and its rows join the batch even when that step ended every row before
+them. A turn that prefills a prompt in a forward of its own or runs a call first reads the step
+queued ahead; a step feeding a prompt's part queues nothing ahead (the last part's rows join
+the batch after it), nor does a second running batch.
 
 The failure domain is one request. A failing prefill fails its own request (a group's prompts
 are then run one at a time). A step whose forward fails is retried with each request's rows in
@@ -138,6 +140,14 @@ class Running:
     tokens (:meth:`ContinuousBatcher._step_ahead`); the rows that ended since are dropped."""
     ahead_error: Exception | None = None
     """What queueing that step raised: the next turn's step fails with it."""
+    joined_ahead: int = 0
+    """Rows that the step queued ahead adds to the batch after :attr:`rows` (the requests whose
+    prompts it feeds, :meth:`ContinuousBatcher._feed_ahead`), until it is read."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether a step queued ahead waits to be read."""
+        return self.ahead is not None or self.ahead_error is not None
 
     def sampling(self, logits: torch.Tensor) -> SamplingBatch:
         """The rows' sampling batch: the one of the last step while the rows are the same."""
@@ -249,19 +259,21 @@ class ContinuousBatcher:
                 if self.closed:
                     break
                 admitted = self._admit()
-                joins = bool(admitted or self.prefilling or self.calls)
-            if joins:  # they join the step after the one queued ahead, which runs first
+                calls = bool(self.calls)
+            if calls:  # a call may change the model: it runs with nothing queued over it
                 with torch.inference_mode(), deferred():
-                    for group in list(self.running):
-                        if group.ahead is not None or group.ahead_error is not None:
-                            self._step(group, ahead=False)
+                    self._catch_up()
             self.calls.run()
             with torch.inference_mode(), deferred():  # loops woken once per step
                 whole = self._begin_in_parts(admitted)
                 joining, whole = self._mixable(whole)
+                if whole:  # their rows join the running batch: after the step queued ahead
+                    self._catch_up()
                 for requests in prefill_groups(whole):
                     self._start(requests)
                 packed, alone = self._packable(self._parts())
+                if alone:  # a prompt whose last part runs alone joins the running batch too
+                    self._catch_up()
                 self._feed_alone(alone)
                 first = self.running[0] if self.running else None
                 for group in list(self.running):
@@ -270,6 +282,12 @@ class ContinuousBatcher:
                     else:
                         self._step(group)
         self._stop()
+
+    def _catch_up(self) -> None:
+        """Read the steps queued ahead, queueing nothing after them."""
+        for group in list(self.running):
+            if group.pending:
+                self._step(group, ahead=False)
 
     def _stop(self) -> None:
         """On the loop's thread as it ends: every request and pending call fails, and the
@@ -520,11 +538,12 @@ class ContinuousBatcher:
         group: Running,
         joining: list[DecodeRequest] | None = None,
         parts: list[FedPart] | None = None,
-        ahead: bool = True,
+        ahead: bool | Callable[[], bool] = True,
     ) -> None:
         """One decode step of a batch (the one queued ahead at the last step where there is
-        one; ``ahead``: whether this one may queue the next), feeding the prompts of the
-        ``joining`` requests and the next ``parts`` of prompts fed in parts in the same forward
+        one; ``ahead``: whether this one may queue the next, or what queues it), feeding the
+        prompts of the ``joining`` requests and the next ``parts`` of prompts fed in parts in
+        the same forward
         (:meth:`~.decode_batch.DecodeBatch.step_mixing`): the joining requests' rows then join
         the batch, as do those of a prompt whose last part it was. A forward that fails is
         retried with each request's rows apart (:meth:`_retry_apart`), after the joining
@@ -540,11 +559,23 @@ class ContinuousBatcher:
             )
             for part, take in parts
         ]
+        if group.pending and (joining or parts) and not group.joined_ahead:
+            # the step queued ahead is read first, the one that feeds them queued in its shadow
+            queued: list[bool] = []
+
+            def feeding() -> bool:
+                queued.append(self._feed_ahead(group, joining, parts, fed))
+                return queued[-1]
+
+            self._step(group, ahead=feeding)
+            if group not in self.running:
+                self._unfed(joining, parts, fed_in_vain=any(queued))
+                return
         try:
-            if group.ahead is not None or group.ahead_error is not None:
-                assert not (joining or parts)  # the loop ran it before they were admitted
+            if group.pending:
                 logits, error = group.ahead, group.ahead_error
                 group.ahead = group.ahead_error = None
+                group.joined_ahead = 0
                 if error is not None:
                     raise error
                 assert logits is not None
@@ -575,7 +606,11 @@ class ContinuousBatcher:
                 for request in joining:
                     self._start([request])
                 self._feed_alone(parts)
-                self._step(group)
+                if group.rows:
+                    self._step(group)
+                else:  # the step read before it ended them all
+                    self.running.remove(group)
+                    self.retire(group.batch)
             else:
                 self._retry_apart(group, exc)
             return
@@ -591,15 +626,33 @@ class ContinuousBatcher:
                 self._end(request, exc)
             group.rows.clear()
             group.ahead = group.ahead_error = None
+            group.joined_ahead = 0
             self.running.remove(group)
         else:
-            if not group.rows:
+            if not group.rows and not group.joined_ahead:
                 group.ahead = group.ahead_error = None
                 self.running.remove(group)
                 self.retire(group.batch)
         for (part, take), feed in zip(parts, fed, strict=True):  # as _feed_part returns them
             own, of_parts = of_parts[: feed.kept], of_parts[feed.kept :]
             self._fed(part, take, own if feed.every_position else own[0])
+
+    def _unfed(self, joining: list[DecodeRequest], parts: list[FedPart], fed_in_vain: bool) -> None:
+        """The running batch that was to feed these prompts and parts is gone: its requests
+        failed or ended before they joined it. They run apart; but where the step that fed
+        them was queued (``fed_in_vain``), the batch failed as a whole while it ran, and they
+        fail with it (a part fed again would be in its cache twice)."""
+        if not fed_in_vain:
+            for request in joining:
+                self._start([request])
+            self._feed_alone(parts)
+            return
+        error = ServerError("the decode step that fed this prompt failed")
+        for request in joining:
+            self._end(request, error)
+        for part, _ in parts:
+            self.prefilling.remove(part)
+            self._end(part.request, error)
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:
         """After a failed forward: each request's rows in a batch of their own, stepped again,
@@ -641,16 +694,18 @@ class ContinuousBatcher:
         first: bool = False,
         prompt_logprobs: Scored | None = None,
         joining: list[DecodeRequest] | None = None,
-        ahead: bool = False,
+        ahead: bool | Callable[[], bool] = False,
     ) -> None:
         """Choose the rows' next tokens, send each request its deltas (the first ones with
         the prompt's logprobs, when scored), drop the rows that finished or whose request was
         cancelled. ``first``: every row's first token; ``joining``: the requests whose first
         tokens these are, the others' rows stepping; ``ahead``: the next step may be queued on
-        the tokens before they are read (:meth:`_step_ahead`)."""
+        the tokens before they are read (:meth:`_step_ahead`), or what queues it."""
         deltas: dict[DecodeRequest, list[ChoiceDelta]] = {}
         failed: dict[DecodeRequest, Exception] = {}
-        then = partial(self._step_ahead, group) if ahead and not first else None
+        then = None
+        if ahead and not first and self.step_ahead:  # else the logits need no copy (begin)
+            then = ahead if callable(ahead) else partial(self._step_ahead, group)
         outcomes = advance(group.rows, logits, group.sampling(logits), then)
         for owner, outcome in zip(group.owners, outcomes, strict=True):
             if isinstance(outcome, Exception):
@@ -688,10 +743,12 @@ class ContinuousBatcher:
                 generated = max(len(row.output_ids) for row in owner.rows)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
             self._end(owner, None)
-        group.batch.keep(live)  # none too: a batch left empty may be kept (retire)
-        if group.ahead is not None:  # the ended rows' next logits go
-            kept = to_device(live, group.ahead.device, torch.long)
-            group.ahead = group.ahead.index_select(0, kept)
+        joined = range(len(group.rows), len(group.rows) + group.joined_ahead)
+        group.batch.keep(live + list(joined))  # none: a batch left empty may be kept (retire)
+        if group.ahead is not None:  # the ended rows' next logits go, the joined rows' stay
+            kept = live + list(range(len(group.rows), group.ahead.shape[0]))
+            index = to_device(kept, group.ahead.device, torch.long)
+            group.ahead = group.ahead.index_select(0, index)
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
 
@@ -699,22 +756,20 @@ class ContinuousBatcher:
         """Queue the group's next decode step on the tokens just chosen (on the device),
         before the host reads them: on a GPU that step runs while the host makes this one's
         text and finds its stops (vLLM's asynchronous scheduling). Whether it did: only for the
-        one running batch (which replays the recorded steps), with no request waiting to be
-        admitted, no prompt fed in parts and no call to run (they join a step not queued
-        ahead), and no constrained row (the grammar's mask for its next token needs this one).
-        A row that ends with this step has fed the next one a token more; its logits are
-        dropped with it (:meth:`_advance`), its output unchanged."""
-        sampler = group.sampler
+        one running batch (which replays the recorded steps), with no prompt fed in parts (the
+        last part's rows join the batch after this step) and no call to run. A row that ends
+        with this step has fed the next one a token more; its logits are dropped with it
+        (:meth:`_advance`), its output unchanged. A constrained row's next logits are masked
+        when its token is chosen, after the host read this one."""
         if not (
             self.step_ahead
             and self.running == [group]
-            and not (self.waiting or self.prefilling or self.calls)
-            and sampler is not None
-            and sampler.tokens is not None
-            and not (sampler.broken or sampler.constrained)
+            and not (self.prefilling or self.calls)
+            and self._tokens_ahead(group) is not None
         ):
             return False
-        tokens = sampler.tokens
+        tokens = self._tokens_ahead(group)
+        assert tokens is not None
         try:
             group.ahead = self.threads.run(
                 decode_bucket(len(group.rows)), lambda: group.batch.step(tokens, True)
@@ -723,6 +778,46 @@ class ContinuousBatcher:
             group.ahead_error = exc
         self.stepped_ahead += 1
         return True
+
+    def _feed_ahead(
+        self,
+        group: Running,
+        joining: list[DecodeRequest],
+        parts: list[FedPart],
+        fed: list[PromptPart],
+    ) -> bool:
+        """Queue the step that feeds the ``joining`` requests' prompts and the ``parts`` (as
+        :meth:`_step` would) on the tokens just chosen, before the host reads them; its rows
+        join the batch (:attr:`Running.joined_ahead`). Whether it did: a forward that raises
+        leaves the batches as they were, and the next read fails with it (they then run
+        apart)."""
+        tokens = self._tokens_ahead(group)
+        if not self.step_ahead or tokens is None:
+            return False
+        prompts = [request.prompt_ids for request in joining]
+        copies = [len(request.rows) for request in joining]
+        adapter = (joining[0] if joining else parts[0][0].request).adapter
+        width = len(group.rows) + sum(map(len, prompts)) + sum(take for _, take in parts)
+        try:
+            group.ahead = self.threads.run(
+                prefill_bucket(width),
+                lambda: group.batch.step_mixing(tokens, prompts, copies, adapter, fed),
+            )
+        except Exception as exc:  # the batches as they were: nothing was fed these tokens
+            group.ahead_error = exc
+            return False
+        group.joined_ahead = sum(copies)
+        self.stepped_ahead += 1
+        return True
+
+    @staticmethod
+    def _tokens_ahead(group: Running) -> torch.Tensor | None:
+        """The tokens just chosen for the group's rows, on the device, where a step may be
+        queued on them (None: the choice was redone row by row, and the device lags)."""
+        sampler = group.sampler
+        if sampler is None or sampler.broken or not sampler.serves(group.rows):
+            return None
+        return sampler.tokens
 
     def _end(self, request: DecodeRequest, outcome: BaseException | None) -> None:
         """The last word to an admitted request: None when it is done, or what failed it."""

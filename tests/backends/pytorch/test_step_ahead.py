@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.step_graphs import Forward, StepGraphs
 from huggingfaceserver.generation.params import SamplingParams
 
@@ -31,6 +33,7 @@ from .test_decode_loop import (  # noqa: F401 - collected here again, with steps
     GREEDY,
     alone,
     assert_same_choices,
+    packed_prompts,
     slow_forward,
     staggered,
     test_a_long_prompt_is_fed_in_parts_in_the_running_rows_steps,
@@ -150,6 +153,88 @@ async def check_same_as_not_ahead(backend: Backend, graphs: StepGraphs | None) -
     assert 2 * (backend.batcher.stepped_ahead - before) > len(steps)  # most of them
     assert graphs is None or (graphs.replayed and graphs.broken is None)
     assert_same_choices(together, expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+async def test_prompts_that_arrive_while_a_step_is_queued_ahead_are_fed_in_its_shadow(
+    backends, name: str
+) -> None:
+    """A request arriving while the running rows' next step is queued ahead: the step that
+    feeds its prompt is queued on that step's tokens before the host reads them (on a GPU the
+    device does not wait for the host between the two), and each request gets its tokens."""
+    backend = backends(name, sharp=name == "gpt2")
+    requests = [(prompt(backend, text), GREEDY) for text in reversed(PROMPTS)]
+    backend.batcher.step_ahead = False
+    try:
+        expected = await alone(backend, requests)
+    finally:
+        backend.batcher.step_ahead = True
+    in_shadow: list[int] = []
+
+    def record(_module, _args, kwargs) -> None:
+        if MIXED in kwargs and any(f.function == "_feed_ahead" for f in inspect.stack(0)):
+            in_shadow.extend(kwargs[MIXED].columns.lengths)
+
+    hook = backend.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with slow_forward(backend), packed_prompts(backend) as (packed, apart):
+            together = await staggered(backend, requests)
+    finally:
+        hook.remove()
+    assert tokens(together) == tokens(expected)
+    assert in_shadow == packed == [len(ids) for ids, _ in requests[1:]]
+    assert apart == [len(requests[0][0])]
+
+
+async def test_a_prompt_fed_in_the_shadow_of_a_step_that_ends_every_row_runs_on(backends) -> None:
+    """The running request's last token is read while the step that feeds a new prompt is
+    queued on it: the batch stays for the new request's rows, which go on as alone."""
+    backend = backends("llama")
+    first = (prompt(backend, PROMPTS[0]), replace(GREEDY, max_tokens=3))
+    second = (prompt(backend, PROMPTS[1]), GREEDY)
+    backend.batcher.step_ahead = False
+    try:
+        expected = await alone(backend, [first, second])
+    finally:
+        backend.batcher.step_ahead = True
+    outputs: list[list[int]] = [[], []]
+    ends: list[object] = ["running", "running"]
+    done = threading.Semaphore(0)
+
+    def emit_to(index: int) -> Callable[[object], None]:
+        def emit(item: object) -> None:
+            if isinstance(item, list):
+                outputs[index] += [token for delta in item for token in delta.token_ids]
+            else:  # None, or what failed it
+                ends[index] = item
+                done.release()
+
+        return emit
+
+    requests = [
+        DecodeRequest(backend.new_sequences(ids, params), emit_to(i))
+        for i, (ids, params) in enumerate([first, second])
+    ]
+    batcher = backend.batcher
+    in_shadow: list[int] = []
+
+    def arrive_then_feed(_module, _args, kwargs) -> None:
+        queued_by = {f.function for f in inspect.stack(0)}
+        if "_step_ahead" in queued_by and not batcher.waiting and len(outputs[0]) == 1:
+            batcher.submit(requests[1])  # as the 3rd step is queued: read in the next turn
+        if MIXED in kwargs and "_feed_ahead" in queued_by:
+            in_shadow.extend(kwargs[MIXED].columns.lengths)
+
+    hook = backend.model.register_forward_pre_hook(arrive_then_feed, with_kwargs=True)
+    try:
+        batcher.submit(requests[0])
+        for _ in requests:
+            await asyncio.to_thread(done.acquire)
+    finally:
+        hook.remove()
+    assert ends == [None, None]
+    assert outputs == [choices[0].token_ids for choices in expected]
+    assert in_shadow == [len(second[0])]
 
 
 async def test_a_step_queued_ahead_that_fails_is_retried_apart(backends, caplog) -> None:
