@@ -149,6 +149,13 @@ class Running:
         """Whether a step queued ahead waits to be read."""
         return self.ahead is not None or self.ahead_error is not None
 
+    def take_ahead(self) -> tuple[torch.Tensor | None, Exception | None]:
+        """The step queued ahead (its logits, or what queueing it raised), no longer pending."""
+        taken = self.ahead, self.ahead_error
+        self.ahead = self.ahead_error = None
+        self.joined_ahead = 0
+        return taken
+
     def sampling(self, logits: torch.Tensor) -> SamplingBatch:
         """The rows' sampling batch: the one of the last step while the rows are the same."""
         self.sampler = SamplingBatch.for_rows(self.rows, logits, self.sampler)
@@ -157,10 +164,15 @@ class Running:
     def inputs(self) -> torch.Tensor | list[int]:
         """Each row's latest token: on the device where the last step left them for these
         rows, else from the rows."""
+        tokens = self.device_tokens()
+        return tokens if tokens is not None else [row.output_ids[-1] for row in self.rows]
+
+    def device_tokens(self) -> torch.Tensor | None:
+        """The rows' latest tokens on the device, where the last step left them for these
+        rows (None: the rows changed since, or the choice was redone row by row and the
+        device lags)."""
         sampler = self.sampler
-        if sampler is not None and sampler.tokens is not None and sampler.serves(self.rows):
-            return sampler.tokens
-        return [row.output_ids[-1] for row in self.rows]
+        return sampler.tokens if sampler is not None and sampler.serves(self.rows) else None
 
 
 def let_go(batch: DecodeBatch) -> None:
@@ -573,23 +585,12 @@ class ContinuousBatcher:
                 return
         try:
             if group.pending:
-                logits, error = group.ahead, group.ahead_error
-                group.ahead = group.ahead_error = None
-                group.joined_ahead = 0
+                logits, error = group.take_ahead()
                 if error is not None:
                     raise error
                 assert logits is not None
             elif joining or parts:
-                inputs = group.inputs()
-                prompts = [request.prompt_ids for request in joining]
-                copies = [len(request.rows) for request in joining]
-                # every joining request's and part's (_mixable, _packable)
-                adapter = (joining[0] if joining else parts[0][0].request).adapter
-                tokens = len(group.rows) + sum(map(len, prompts)) + sum(t for _, t in parts)
-                logits = self.threads.run(
-                    prefill_bucket(tokens),
-                    lambda: group.batch.step_mixing(inputs, prompts, copies, adapter, fed),
-                )
+                logits = self._feed(group, group.inputs(), joining, parts, fed)
             else:  # only the first batch replays the recorded steps (one cache for them)
                 inputs = group.inputs()
                 graphed = group is self.running[0]
@@ -603,9 +604,7 @@ class ContinuousBatcher:
                     len(joining) + len(parts),
                     exc,
                 )
-                for request in joining:
-                    self._start([request])
-                self._feed_alone(parts)
+                self._apart(joining, parts)
                 if group.rows:
                     self._step(group)
                 else:  # the step read before it ended them all
@@ -625,12 +624,11 @@ class ContinuousBatcher:
             for request in dict.fromkeys(group.owners):
                 self._end(request, exc)
             group.rows.clear()
-            group.ahead = group.ahead_error = None
-            group.joined_ahead = 0
+            group.take_ahead()
             self.running.remove(group)
         else:
             if not group.rows and not group.joined_ahead:
-                group.ahead = group.ahead_error = None
+                group.take_ahead()  # the ended rows' next step
                 self.running.remove(group)
                 self.retire(group.batch)
         for (part, take), feed in zip(parts, fed, strict=True):  # as _feed_part returns them
@@ -643,9 +641,7 @@ class ContinuousBatcher:
         them was queued (``fed_in_vain``), the batch failed as a whole while it ran, and they
         fail with it (a part fed again would be in its cache twice)."""
         if not fed_in_vain:
-            for request in joining:
-                self._start([request])
-            self._feed_alone(parts)
+            self._apart(joining, parts)
             return
         error = ServerError("the decode step that fed this prompt failed")
         for request in joining:
@@ -653,6 +649,33 @@ class ContinuousBatcher:
         for part, _ in parts:
             self.prefilling.remove(part)
             self._end(part.request, error)
+
+    def _apart(self, joining: list[DecodeRequest], parts: list[FedPart]) -> None:
+        """The prompts and parts a decode step did not feed, each in a forward of its own."""
+        for request in joining:
+            self._start([request])
+        self._feed_alone(parts)
+
+    def _feed(
+        self,
+        group: Running,
+        tokens: torch.Tensor | list[int],
+        joining: list[DecodeRequest],
+        parts: list[FedPart],
+        fed: list[PromptPart],
+    ) -> torch.Tensor:
+        """The forward of a decode step on ``tokens`` that also feeds the ``joining``
+        requests' prompts and the ``parts`` (``fed``: as :class:`PromptPart`), with the LoRA
+        adapter of them all (:meth:`_mixable`, :meth:`_packable`): its logits, as
+        :meth:`~.decode_batch.DecodeBatch.step_mixing` returns them."""
+        prompts = [request.prompt_ids for request in joining]
+        copies = [len(request.rows) for request in joining]
+        adapter = (joining[0] if joining else parts[0][0].request).adapter
+        width = len(group.rows) + sum(map(len, prompts)) + sum(take for _, take in parts)
+        return self.threads.run(
+            prefill_bucket(width),
+            lambda: group.batch.step_mixing(tokens, prompts, copies, adapter, fed),
+        )
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:
         """After a failed forward: each request's rows in a batch of their own, stepped again,
@@ -761,15 +784,14 @@ class ContinuousBatcher:
         with this step has fed the next one a token more; its logits are dropped with it
         (:meth:`_advance`), its output unchanged. A constrained row's next logits are masked
         when its token is chosen, after the host read this one."""
+        tokens = group.device_tokens()
         if not (
             self.step_ahead
             and self.running == [group]
             and not (self.prefilling or self.calls)
-            and self._tokens_ahead(group) is not None
+            and tokens is not None
         ):
             return False
-        tokens = self._tokens_ahead(group)
-        assert tokens is not None
         try:
             group.ahead = self.threads.run(
                 decode_bucket(len(group.rows)), lambda: group.batch.step(tokens, True)
@@ -791,33 +813,17 @@ class ContinuousBatcher:
         join the batch (:attr:`Running.joined_ahead`). Whether it did: a forward that raises
         leaves the batches as they were, and the next read fails with it (they then run
         apart)."""
-        tokens = self._tokens_ahead(group)
+        tokens = group.device_tokens()
         if not self.step_ahead or tokens is None:
             return False
-        prompts = [request.prompt_ids for request in joining]
-        copies = [len(request.rows) for request in joining]
-        adapter = (joining[0] if joining else parts[0][0].request).adapter
-        width = len(group.rows) + sum(map(len, prompts)) + sum(take for _, take in parts)
         try:
-            group.ahead = self.threads.run(
-                prefill_bucket(width),
-                lambda: group.batch.step_mixing(tokens, prompts, copies, adapter, fed),
-            )
+            group.ahead = self._feed(group, tokens, joining, parts, fed)
         except Exception as exc:  # the batches as they were: nothing was fed these tokens
             group.ahead_error = exc
             return False
-        group.joined_ahead = sum(copies)
+        group.joined_ahead = sum(len(request.rows) for request in joining)
         self.stepped_ahead += 1
         return True
-
-    @staticmethod
-    def _tokens_ahead(group: Running) -> torch.Tensor | None:
-        """The tokens just chosen for the group's rows, on the device, where a step may be
-        queued on them (None: the choice was redone row by row, and the device lags)."""
-        sampler = group.sampler
-        if sampler is None or sampler.broken or not sampler.serves(group.rows):
-            return None
-        return sampler.tokens
 
     def _end(self, request: DecodeRequest, outcome: BaseException | None) -> None:
         """The last word to an admitted request: None when it is done, or what failed it."""
