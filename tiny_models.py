@@ -524,10 +524,16 @@ def build_all(root: str | Path) -> dict[str, Path]:
     return {name: builder(root / name) for name, builder in BUILDERS.items()}
 
 
-def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, seed: int) -> Path:
-    """A random LoRA adapter (PEFT) for the tiny Llama at ``base_dir``: its A and B matrices
-    both random (``init_lora_weights=False``; PEFT's default B of zeros changes nothing) and
-    scaled up, so that greedy text differs from the base model's and from another seed's."""
+LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def build_lora_adapter(
+    base_dir: str | Path, out_dir: str | Path, seed: int, targets: tuple[str, ...] = LORA_TARGETS
+) -> Path:
+    """A random LoRA adapter (PEFT) for the tiny Llama at ``base_dir``, on the ``targets``
+    modules: its A and B matrices both random (``init_lora_weights=False``; PEFT's default B
+    of zeros changes nothing) and scaled up, so that greedy text differs from the base model's
+    and from another seed's."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -535,7 +541,7 @@ def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, seed: int) -> 
     config = LoraConfig(
         r=4,
         lora_alpha=64,
-        target_modules=["q_proj", "v_proj", "down_proj"],
+        target_modules=list(targets),
         init_lora_weights=False,
         task_type="CAUSAL_LM",
     )

@@ -15,8 +15,11 @@ from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel,
 
 logger = logging.getLogger(__name__)
 
-TRANSFORMERS_LORA_FLAGS = frozenset({"enable-lora", "lora-modules"})
-"""vLLM engine flags that the transformers backend honours too (LoRA adapters with PEFT)."""
+TRANSFORMERS_ENGINE_FLAGS = frozenset(
+    {"enable-lora", "lora-modules", "async-scheduling", "no-async-scheduling"}
+)
+"""vLLM engine flags that the transformers backend honours too (LoRA adapters with PEFT;
+decode steps queued ahead)."""
 
 
 def local_backend(
@@ -126,7 +129,7 @@ def check_choice(config: ServerConfig, choice: BackendChoice) -> None:
     """Flags that the chosen backend ignores (a warning) or cannot honour (a
     :class:`StartupError`). Not in parsing: ``--backend auto`` chooses by the model's task
     and architecture, and the error names the backend chosen and why."""
-    ignored = [name for name in config.engine_flags if name not in TRANSFORMERS_LORA_FLAGS]
+    ignored = [name for name in config.engine_flags if name not in TRANSFORMERS_ENGINE_FLAGS]
     if ignored and choice.name != "vllm":
         logger.warning(
             "ignored with the transformers backend (vLLM engine flags): %s",

@@ -80,7 +80,8 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     lora-dtype lora-extra-vocab-size lora-modules max-cpu-loras max-logprobs max-lora-rank
     max-loras max-num-batched-tokens max-num-partial-prefills max-num-seqs
     max-parallel-loading-workers
-    max-seq-len-to-capture model-impl no-enable-chunked-prefill no-enable-prefix-caching
+    max-seq-len-to-capture model-impl no-async-scheduling no-enable-chunked-prefill
+    no-enable-prefix-caching
     num-gpu-blocks-override num-lookahead-slots num-scheduler-steps num-speculative-tokens
     override-generation-config override-neuron-config pipeline-parallel-size preemption-mode
     prefix-caching-hash-algo quantization rope-scaling rope-theta scheduling-policy
@@ -387,13 +388,23 @@ class ServerConfig:
     server: KServeFlags = field(default_factory=KServeFlags)
     """KServe's ModelServer flags (http_port, grpc_port, predictor_host, ...)."""
     engine_flags: dict[str, list[str]] = field(default_factory=dict)
-    """vLLM engine flags, dashed name -> values: passed to vLLM, ignored by transformers."""
+    """vLLM engine flags, dashed name -> values: passed to vLLM; the transformers backend
+    honours the LoRA ones and :attr:`async_scheduling`, and ignores the others."""
     openai_route_prefix: str = DEFAULT_OPENAI_PREFIX
     """Where the OpenAI routes are: ``$KSERVE_OPENAI_ROUTE_PREFIX`` (default ``/openai``; may
     be empty: the routes at the root), as ``/prefix`` without a trailing slash."""
     cache_dir: Path | None = None
     """The server's cache directory (ONNX exports in its ``onnx/`` folder): see
     :func:`cache_dir`; None: nowhere to keep anything, every start exports anew."""
+
+    @property
+    def async_scheduling(self) -> bool | None:
+        """vLLM's ``--async-scheduling`` (True) or ``--no-async-scheduling`` (False), honoured
+        by the transformers backend too: whether a decode step is queued before the host reads
+        the step before it; None: neither given (on a GPU only, where it overlaps)."""
+        if "no-async-scheduling" in self.engine_flags:
+            return False
+        return True if "async-scheduling" in self.engine_flags else None
 
     @property
     def encode_lower_case(self) -> bool | None:
@@ -586,6 +597,7 @@ def parse_args(
         unknown = [typed[name] for name in flags if name not in engine_flag_names | more]
     if unknown or strays:
         parser.error("unrecognized arguments: " + " ".join(unknown + strays))
+    _check_switches(parser, flags, typed)
     values = vars(namespace)
     own = {name: values.pop(name) for name in flag_fields()}
     server = KServeFlags(**{f.name: values.pop(f.name) for f in fields(KServeFlags)})
@@ -633,6 +645,22 @@ def _check_values(parser: argparse.ArgumentParser, own: dict[str, Any]) -> None:
         parser.error("--api_key must not be empty")
     if own["default_prompt"] is not None and own["default_prompt_name"] is not None:
         parser.error("give --default_prompt or --default_prompt_name, not both")
+
+
+ENGINE_SWITCHES = (("async-scheduling", "no-async-scheduling"),)
+"""vLLM engine flags that take no value, each with its negation."""
+
+
+def _check_switches(
+    parser: argparse.ArgumentParser, flags: dict[str, list[str]], typed: dict[str, str]
+) -> None:
+    """An engine switch given a value, or given with its negation, is a usage error."""
+    for switch in ENGINE_SWITCHES:
+        for name in switch:
+            if flags.get(name):
+                parser.error(f"{typed[name]} takes no value (got {' '.join(flags[name])})")
+        if all(name in flags for name in switch):
+            parser.error(" and ".join(typed[name] for name in switch) + ": give one")
 
 
 def _check_combinations(

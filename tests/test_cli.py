@@ -386,6 +386,37 @@ def test_engine_flags_are_those_the_caller_names(capsys):
     assert "--max-num-seqs" in usage_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], None),
+        (["--async-scheduling"], True),
+        (["--no_async_scheduling"], False),
+    ],
+)
+def test_async_scheduling_is_vllms_switch(argv, expected):
+    """vLLM's switch, kept as an engine flag and read by the transformers backend too."""
+    assert parse_args(["--model_dir", "/models/llama", *argv]).async_scheduling is expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--async-scheduling", "false"], "--async-scheduling takes no value"),
+        (["--no-async-scheduling=1"], "--no-async-scheduling takes no value"),
+        (
+            ["--async-scheduling", "--no-async-scheduling"],
+            "--async-scheduling and --no-async-scheduling: give one",
+        ),
+    ],
+)
+def test_async_scheduling_with_a_value_or_its_negation_exits_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_dir", "/models/llama", *argv])
+    assert exit_info.value.code == 2
+    assert message in usage_error(capsys)
+
+
 def test_tensor_input_names_is_a_tuple():
     config = parse_args(["--tensor_input_names", "input_ids, attention_mask,"])
     assert config.tensor_input_names == ("input_ids", "attention_mask")

@@ -15,6 +15,7 @@ requests it had not started, and any submitted later, fail with the error it was
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from ..observability.metrics import EncoderBatchMetrics
 from .loop_calls import LoopCalls, deferred
 from .row_tokenizer import Row
 from .worker_calls import WorkerCalls
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -280,17 +283,28 @@ class EncoderBatcher:
         while self.closed is None:
             self.calls.run()
             requests = self._gather()
-            pending = [(request, i) for request in requests for i in range(len(request.rows))]
-            for batch in plan_batches(pending, self.limits):
-                if self.closed is not None:  # the rest of the plan fails below
-                    break
-                with deferred():  # the event loops are woken once per batch
-                    self._run(batch)
-            if self.closed is not None:
+            try:
+                self._round(requests)
+            except Exception as exc:  # a bug: this round's requests fail, the worker goes on
+                logger.exception("a round of the encoder batcher failed: its requests end")
+                error = ServerError(f"the encoder batcher failed: {exc!r}")
                 with deferred():
                     for request in requests:
-                        request.end(self.closed)
+                        request.end(error)
         self._fail_waiting()
+
+    def _round(self, requests: list[EncodeRequest]) -> None:
+        """The gathered requests' rows, in the batches :func:`plan_batches` makes."""
+        pending = [(request, i) for request in requests for i in range(len(request.rows))]
+        for batch in plan_batches(pending, self.limits):
+            if self.closed is not None:  # the rest of the plan fails below
+                break
+            with deferred():  # the event loops are woken once per batch
+                self._run(batch)
+        if self.closed is not None:
+            with deferred():
+                for request in requests:
+                    request.end(self.closed)
 
     def _run(self, batch: list[tuple[EncodeRequest, int]]) -> None:
         self._count(batch)

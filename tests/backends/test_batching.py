@@ -157,6 +157,29 @@ async def test_a_failing_batch_fails_its_requests_and_the_worker_goes_on(tiny_mo
     assert second.status_code == 200
 
 
+async def test_a_bug_after_a_batch_fails_its_requests_and_the_worker_goes_on(tiny_models):
+    """What raises outside the guard of a batch's forward (a bug: here a result fewer than the
+    batch's rows) answers that round's requests 500 instead of ending the worker's thread
+    and leaving every later request waiting."""
+    model = load_model(["--model_dir", str(tiny_models["st_cls"])])
+    batcher = model.backend.batcher
+    run_batch = batcher.run_batch
+
+    def short_once(batch, kinds):
+        batcher.run_batch = run_batch
+        return run_batch(batch, kinds)[:-1]
+
+    batcher.run_batch = short_once
+    transport = httpx.ASGITransport(app=build_app(model), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        body = {"instances": ["food"]}
+        first = await asyncio.wait_for(client.post("/v1/models/model:predict", json=body), 60)
+        second = await asyncio.wait_for(client.post("/v1/models/model:predict", json=body), 60)
+    assert first.status_code == 500
+    assert "the encoder batcher failed" in first.text
+    assert second.status_code == 200
+
+
 async def test_a_lone_request_does_not_wait_for_a_batch(tiny_models):
     model = load_model(["--model_dir", str(tiny_models["st_cls"]), "--batch_wait_ms", "5000"])
     await predict_each(model, ["warm up"])

@@ -6,6 +6,15 @@ that row alone (PEFT's mixed-adapter batches), :data:`BASE` for a row of the bas
 rows of requests for different adapters and for the base model decode as one batch; the decode
 batch keeps each row's adapter beside its KV cache row (:mod:`.decode_batch`).
 
+A decode step that also feeds new prompts packs every token into one batch row (:mod:`.ragged`),
+where PEFT's ``adapter_names`` would give them all one adapter. For that forward each token gets
+its own (:meth:`LoraAdapters.forward_tokens`): PEFT runs it as the base model, and a forward hook
+on each LoRA linear layer (torch's public ``register_forward_hook``) adds each adapter's
+``lora_B(lora_A(x)) * scaling`` to its own tokens' outputs, as PEFT's mixed batches add it to
+their rows, from the layer's public ``lora_A``, ``lora_B``, ``lora_dropout`` and ``scaling``.
+Only adapters made of plain LoRA linear layers are mixed per token (:attr:`LoraAdapters.per_token`);
+a prompt of another one is packed only with rows of its own adapter.
+
 What PEFT cannot mix in a batch is refused: adapters other than LoRA, DoRA, and
 sequence-to-sequence models (the decode loop runs their encoder apart from PEFT's forward).
 Adapters are added and removed on the decode thread, between two forwards.
@@ -14,10 +23,15 @@ Adapters are added and removed on the decode thread, between two forwards.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
+from ...devices import to_device
 from ...errors import StartupError
 from ..lora import LoraModule
 
@@ -58,6 +72,13 @@ class LoraAdapters:
         self.peft_model: Any = None
         """PEFT's model around ``model`` once an adapter is in."""
         self.names: list[str] = []
+        self.per_token: set[str] = set()
+        """The adapters whose every layer is a plain LoRA linear layer: their tokens can share
+        a batch row with other adapters' (:meth:`forward_tokens`)."""
+        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The LoRA layers that add the per-token adapters' outputs."""
+        self.token_groups: dict[str, torch.Tensor] | None = None
+        """While :meth:`forward_tokens` runs: each adapter's token indices (flattened)."""
 
     def add(self, module: LoraModule) -> None:
         """Load the adapter into the model (changed in place); :class:`InvalidAdapter` for one
@@ -80,11 +101,15 @@ class LoraAdapters:
             self.peft_model.set_adapter(module.name, inference_mode=True)
         self.peft_model.eval()  # PEFT refuses adapter_names in training mode
         self.names.append(module.name)
+        if self._plain(module.name):
+            self.per_token.add(module.name)
+            self._hook()
         logger.info("loaded LoRA adapter %s from %s", module.name, module.path)
 
     def remove(self, name: str) -> None:
         """Take the adapter's weights out of the model (no row may use it any more)."""
         self.names.remove(name)
+        self.per_token.discard(name)
         if self.peft_model.active_adapter == name and self.names:  # else PEFT warns
             self.peft_model.set_adapter(self.names[0], inference_mode=True)
         self.peft_model.delete_adapter(name)
@@ -94,10 +119,90 @@ class LoraAdapters:
         """The model's forward, row ``i`` with adapter ``adapters[i]`` (:data:`BASE`: none)."""
         if not self.names:  # none loaded yet, or every one unloaded
             return self.model(**inputs)
+        return self.peft_model(adapter_names=self._served(adapters), **inputs)
+
+    def packs(self, adapters: Iterable[str]) -> bool:
+        """Whether tokens of these adapters (PEFT's names) can share one batch row
+        (:meth:`forward_tokens`): all of one adapter, or each of them :data:`BASE` or one of
+        :attr:`per_token`."""
+        distinct = set(adapters)
+        return len(distinct) <= 1 or distinct <= self.per_token | {BASE}
+
+    def forward_tokens(self, adapters: list[str], **inputs: Any) -> Any:
+        """The model's forward, token ``i`` of its inputs (flattened, e.g. one packed batch
+        row) with adapter ``adapters[i]``; only where :meth:`packs` them."""
+        names = self._served(adapters)
+        distinct = set(names)
+        if len(distinct) == 1:  # PEFT's own path: one adapter for the row
+            rows = inputs["input_ids"].shape[0]
+            return self.forward([names[0]] * rows, **inputs)
+        if not self.packs(distinct):
+            raise ValueError(f"LoRA adapters {sorted(distinct)} cannot share a batch row")
+        device = inputs["input_ids"].device
+        groups = {
+            name: to_device([i for i, n in enumerate(names) if n == name], device, torch.long)
+            for name in distinct - {BASE}
+        }
+        rows = inputs["input_ids"].shape[0]
+        with self._tokens(groups):
+            return self.peft_model(adapter_names=[BASE] * rows, **inputs)
+
+    @contextmanager
+    def _tokens(self, groups: dict[str, torch.Tensor]) -> Iterator[None]:
+        self.token_groups = groups
+        try:
+            yield
+        finally:
+            self.token_groups = None
+
+    def _served(self, adapters: list[str]) -> list[str]:
         # A row of an unloaded adapter belongs to a request that has ended (an adapter in use
         # is not unloaded) and leaves at the end of this step: its output is never read.
-        names = [name if name in self.names or name == BASE else BASE for name in adapters]
-        return self.peft_model(adapter_names=names, **inputs)
+        return [name if name in self.names or name == BASE else BASE for name in adapters]
+
+    def _layers(self) -> Iterator[Any]:
+        """PEFT's LoRA layers in the model."""
+        kind = self.peft.tuners.lora.LoraLayer
+        return (module for module in self.peft_model.modules() if isinstance(module, kind))
+
+    def _plain(self, name: str) -> bool:
+        """Whether every layer of adapter ``name`` is a LoRA linear layer of PEFT's own, with
+        no variant: ``lora_B(lora_A(dropout(x))) * scaling`` added to the base output."""
+        linear = self.peft.tuners.lora.Linear
+        for layer in self._layers():
+            holds = any(
+                name in getattr(layer, attribute) for attribute in layer.adapter_layer_names
+            )
+            if holds and (type(layer) is not linear or name in layer.lora_variant):
+                return False
+        return True
+
+    def _hook(self) -> None:
+        """Add :meth:`_add_token_outputs` to each LoRA linear layer not hooked yet."""
+        for layer in self._layers():
+            if layer not in self.hooked and type(layer) is self.peft.tuners.lora.Linear:
+                layer.register_forward_hook(self._add_token_outputs, with_kwargs=True)
+                self.hooked.add(layer)
+
+    def _add_token_outputs(
+        self, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
+    ) -> torch.Tensor | None:
+        """During :meth:`forward_tokens` (PEFT ran the layer as the base model): each
+        adapter's LoRA output added to its own tokens' rows, as PEFT adds it to its rows."""
+        groups = self.token_groups
+        if groups is None:
+            return None
+        x = args[0] if args else kwargs["x"]
+        inputs = x.reshape(-1, x.shape[-1])
+        outputs = output.view(-1, output.shape[-1])
+        for name, index in groups.items():
+            if name not in layer.lora_A:
+                continue
+            lora_a = layer.lora_A[name]
+            tokens = inputs.index_select(0, index).to(lora_a.weight.dtype)
+            added = layer.lora_B[name](lora_a(layer.lora_dropout[name](tokens)))
+            outputs.index_add_(0, index, (added * layer.scaling[name]).to(outputs.dtype))
+        return output
 
     def _config(self, module: LoraModule) -> Any:
         """The adapter's PEFT config, checked to be a LoRA that PEFT mixes in a batch."""

@@ -17,9 +17,11 @@ apart, so that only the request whose rows break the model fails.
 With LoRA adapters (:mod:`.adapters`) every forward goes through PEFT with each row's adapter:
 the batch keeps one adapter name per row (:attr:`DecodeBatch.adapters`), in step with its cache
 rows whenever rows are repeated, dropped, absorbed or split. Such a batch never replays CUDA
-graphs: the rows' adapters are chosen in Python, outside what a graph records. Its decode steps
-feed new prompts (:meth:`DecodeBatch.mixes_for`) only while every row and the prompts have one
-adapter: a packed forward is one batch row, and PEFT takes one adapter per row.
+graphs: the rows' adapters are chosen in Python, outside what a graph records. A decode step
+that feeds new prompts is one packed batch row: each of its tokens gets its own row's or
+prompt's adapter (:meth:`~.adapters.LoraAdapters.forward_tokens`), where the adapters are
+plain LoRA linear layers, else only while every row and the prompts have one adapter
+(:meth:`DecodeBatch.mixes_for`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class PromptPart:
     every_position: bool = False
     """Keep the logits of every position of the part (:meth:`DecodeBatch.score_part`), else
     of its last."""
+    adapter: str | None = None
+    """The prompt's LoRA adapter (None: the base model)."""
 
     @property
     def kept(self) -> int:
@@ -169,20 +173,20 @@ class DecodeBatch(ABC):
         tokens: torch.Tensor | Sequence[int],
         prompts: list[list[int]],
         copies: list[int] | None = None,
-        adapter: str | None = None,
+        adapters: Sequence[str | None] | None = None,
         parts: Sequence[PromptPart] = (),
     ) -> torch.Tensor:
         """A decode step (``tokens`` as for :meth:`step`) that also runs ``prompts``, prompt
-        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows, and
-        the next part of each prompt fed in parts (``parts``: each into its own batch, as
-        :meth:`prefill_part` or :meth:`score_part` would), with LoRA ``adapter`` (None: the
-        base model): the logits ``[rows + sum(copies) + sum(part.kept), V]``, the parts' last.
-        Only where :meth:`mixes_for` that adapter."""
+        ``i`` for ``copies[i]`` rows (1 each by default) joining the batch after its rows, with
+        LoRA adapter ``adapters[i]`` (None: the base model), and the next part of each prompt
+        fed in parts (``parts``: each into its own batch, as :meth:`prefill_part` or
+        :meth:`score_part` would): the logits ``[rows + sum(copies) + sum(part.kept), V]``,
+        the parts' last. Only where :meth:`mixes_for` each prompt's and part's adapter."""
         raise NotImplementedError(f"{type(self).__name__}'s decode steps take no prompts")
 
     def mixes_for(self, adapter: str | None) -> bool:
         """Whether the next decode step can feed a prompt for LoRA ``adapter`` (None: the base
-        model): never here."""
+        model) beside its rows: never here."""
         return False
 
     @abstractmethod
@@ -464,29 +468,34 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return logits
 
     def mixes_for(self, adapter: str | None) -> bool:
-        """Where :attr:`mixes`, and every row decodes with LoRA ``adapter`` (None: the base
-        model): PEFT takes one adapter per batch row, and a packed forward is one row."""
-        name = row_adapter(adapter)
-        return self.mixes and (self.lora is None or all(a == name for a in self.adapters))
+        """Where :attr:`mixes`, and a packed forward's one batch row can hold the rows' tokens
+        beside a prompt's for LoRA ``adapter`` (None: the base model; see
+        :meth:`~.adapters.LoraAdapters.packs`)."""
+        if self.lora is None:
+            return self.mixes
+        return self.mixes and self.lora.packs([*self.adapters, row_adapter(adapter)])
 
     def step_mixing(
         self,
         tokens: torch.Tensor | Sequence[int],
         prompts: list[list[int]],
         copies: list[int] | None = None,
-        adapter: str | None = None,
+        adapters: Sequence[str | None] | None = None,
         parts: Sequence[PromptPart] = (),
     ) -> torch.Tensor:
         """A decode step that also feeds ``prompts`` (each run once, in a row of its own, then
         repeated to ``copies[i]`` rows joining this batch after its rows) and ``parts`` (each
         into its prompt's own batch, after the parts fed before), in one forward
-        (:mod:`.ragged`; only where :meth:`mixes_for` ``adapter``, the LoRA adapter of every
-        row, prompt and part): the logits ``[rows + sum(copies) + sum(part.kept), V]``, the
-        running rows' next tokens, then each prompt's first, per copy, then each part's. A
-        forward that raises leaves the batches as they were."""
-        if not self.mixes_for(adapter):
-            return super().step_mixing(tokens, prompts, copies, adapter, parts)
-        name = row_adapter(adapter)
+        (:mod:`.ragged`; each token with its row's, prompt's or part's LoRA adapter, only
+        where :meth:`mixes_for` each of them): the logits ``[rows + sum(copies) +
+        sum(part.kept), V]``, the running rows' next tokens, then each prompt's first, per
+        copy, then each part's. A forward that raises leaves the batches as they were."""
+        names = [row_adapter(a) for a in adapters or [None] * len(prompts)]
+        part_names = [row_adapter(part.adapter) for part in parts]
+        if not self.mixes or (
+            self.lora is not None and not self.lora.packs([*self.adapters, *names, *part_names])
+        ):
+            return super().step_mixing(tokens, prompts, copies, adapters, parts)
         caches = [self._part_cache(part) for part in parts]
         cache = self.cache
         lengths = tuple(len(prompt) for prompt in prompts)
@@ -521,16 +530,22 @@ class ReservedCausalLMBatch(CausalLMBatch):
                 tuple(PartColumns(own, len(p.ids)) for own, p in zip(caches, parts, strict=True)),
             )
             attention = MixedAttention(layout, cache.start, mask, tuple(part_masks))
+            inputs = {
+                "input_ids": ids[None],  # the packed sequence is one batch row
+                "position_ids": positions[None],
+                "attention_mask": mask.new_zeros(1, 1, ids.shape[0], 1),  # taken as given
+                "use_cache": True,
+                self.cache_argument: cache,
+                MIXED: attention,
+                **({"logits_to_keep": keep} if self.extra else {}),
+            }
             with cache.mixing(layout):
-                output = self._call(
-                    [name],  # the packed sequence is one batch row
-                    input_ids=ids[None],
-                    position_ids=positions[None],
-                    attention_mask=mask.new_zeros(1, 1, ids.shape[0], 1),  # taken as given
-                    use_cache=True,
-                    **{self.cache_argument: cache, MIXED: attention},
-                    **({"logits_to_keep": keep} if self.extra else {}),
-                )
+                if self.lora is None:
+                    output = self.model(**inputs)
+                else:
+                    each = [*self.adapters, *_per_token(names, lengths)]
+                    each += _per_token(part_names, [len(part.ids) for part in parts])
+                    output = self.lora.forward_tokens(each, **inputs)
         except BaseException:
             cache.close_rows(rows)
             raise
@@ -538,7 +553,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
             cache.close_rows(rows)
             raise RuntimeError(f"{type(self.model).__name__} replaced the KV cache it was given")
         cache.advance(1)
-        for own, part in zip(caches, parts, strict=True):
+        for own, part, name in zip(caches, parts, part_names, strict=True):
             own.advance(len(part.ids))
             part.batch.adapters = [name]
         opened = to_device(lengths, self.device, torch.long)
@@ -548,7 +563,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
             logits = logits.index_select(0, keep)
         joined = rows + len(prompts)
         logits, of_parts = logits[:joined], logits[joined:]
-        if copies is not None and any(count != 1 for count in copies):
+        copies = list(copies) if copies is not None else [1] * len(prompts)
+        if any(count != 1 for count in copies):
             index = list(range(rows)) + [
                 row for row, count in enumerate(copies, start=rows) for _ in range(count)
             ]
@@ -556,7 +572,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
             repeat = to_device(index, self.device, torch.long)
             self.positions = self.positions.index_select(0, repeat)
             logits = logits.index_select(0, repeat)
-        self.adapters = self.adapters + [name] * (cache.rows - rows)
+        self.adapters = self.adapters + _per_token(names, copies)
         return torch.cat([logits, of_parts]) if parts else logits
 
     def _part_cache(self, part: PromptPart) -> ReservedCache:
@@ -767,3 +783,8 @@ class Seq2SeqBatch(DecodeBatch):
         index = to_device(rows, self.device, torch.long)  # [] too
         self.cache.batch_select_indices(index)
         self.encoded = self.encoded.index_select(0, index)
+
+
+def _per_token(names: Sequence[str], counts: Sequence[int]) -> list[str]:
+    """Each name repeated its count of times, in order."""
+    return [name for name, count in zip(names, counts, strict=True) for _ in range(count)]

@@ -6,13 +6,14 @@ admitted together run as one left-padded forward where the model allows it (grou
 so that padding stays bounded; requests that score their prompts apart from the others, in
 groups of a bounded size), then their rows join the running batch. Where the running
 batch's model allows it (:mod:`.ragged`), the prompts of requests admitted while it runs
-(with the running rows' LoRA adapter, not scored, at most ``part_tokens`` prompt tokens a
-step) are fed in its next decode step's own forward instead, their rows joining it there:
+(not scored, at most ``part_tokens`` prompt tokens a step; with LoRA adapters, each token
+with its own adapter where they allow it) are fed in its next decode step's own forward
+instead, their rows joining it there:
 admitting them costs the running rows no forward of their own. A prompt longer than
 ``part_tokens`` (``--prefill_chunk_tokens``) is fed in parts instead, at most that many
 prompt tokens a turn, into a batch of its own until it is all in (chunked prefill, as
 vLLM's): each part in the running rows' decode step where that batch's model allows it
-(with the running rows' adapter; a scored prompt's parts too, every position's logits kept),
+(a scored prompt's parts too, every position's logits kept),
 else in a forward of its own between their steps. A long prompt delays the others' next
 tokens by one part's forward, not by its whole prompt's.
 Every step then feeds all running rows at once (each row's last token, kept on the device);
@@ -272,28 +273,53 @@ class ContinuousBatcher:
                     break
                 admitted = self._admit()
                 calls = bool(self.calls)
-            if calls:  # a call may change the model: it runs with nothing queued over it
-                with torch.inference_mode(), deferred():
-                    self._catch_up()
-            self.calls.run()
-            with torch.inference_mode(), deferred():  # loops woken once per step
-                whole = self._begin_in_parts(admitted)
-                joining, whole = self._mixable(whole)
-                if whole:  # their rows join the running batch: after the step queued ahead
-                    self._catch_up()
-                for requests in prefill_groups(whole):
-                    self._start(requests)
-                packed, alone = self._packable(self._parts())
-                if alone:  # a prompt whose last part runs alone joins the running batch too
-                    self._catch_up()
-                self._feed_alone(alone)
-                first = self.running[0] if self.running else None
-                for group in list(self.running):
-                    if group is first:
-                        self._step(group, joining, packed)
-                    else:
-                        self._step(group)
+            try:
+                self._turn(admitted, calls)
+            except Exception as exc:  # a bug: what is in flight fails, the loop goes on
+                logger.exception("a turn of the decode loop failed: its requests end")
+                self._fail_turn(admitted, exc)
         self._stop()
+
+    def _turn(self, admitted: list[DecodeRequest], calls: bool) -> None:
+        """One turn of the loop: the calls, then the admitted requests' prompts and the
+        prompts' parts fed, then a decode step of every running batch."""
+        if calls:  # a call may change the model: it runs with nothing queued over it
+            with torch.inference_mode(), deferred():
+                self._catch_up()
+        self.calls.run()
+        with torch.inference_mode(), deferred():  # loops woken once per step
+            whole = self._begin_in_parts(admitted)
+            joining, whole = self._mixable(whole)
+            if whole:  # their rows join the running batch: after the step queued ahead
+                self._catch_up()
+            for requests in prefill_groups(whole):
+                self._start(requests)
+            packed, alone = self._packable(self._parts())
+            if alone:  # a prompt whose last part runs alone joins the running batch too
+                self._catch_up()
+            self._feed_alone(alone)
+            first = self.running[0] if self.running else None
+            for group in list(self.running):
+                if group is first:
+                    self._step(group, joining, packed)
+                else:
+                    self._step(group)
+
+    def _fail_turn(self, admitted: list[DecodeRequest], exc: Exception) -> None:
+        """After a turn raised what no step caught (a bug, not a request's failure): every
+        request it admitted, running or fed in parts ends with a 500 naming it, and their
+        batches are let go, so that no request waits for ever and later ones are served."""
+        error = ServerError(f"the decode loop failed: {exc!r}")
+        requests = [
+            *admitted,
+            *(owner for group in self.running for owner in group.owners),
+            *(part.request for part in self.prefilling),
+        ]
+        self.running.clear()
+        self.prefilling.clear()
+        with deferred():
+            for request in dict.fromkeys(requests):
+                self._end(request, error)
 
     def _catch_up(self) -> None:
         """Read the steps queued ahead, queueing nothing after them."""
@@ -446,9 +472,8 @@ class ContinuousBatcher:
         self, requests: list[DecodeRequest]
     ) -> tuple[list[DecodeRequest], list[DecodeRequest]]:
         """The admitted requests whose prompts the first running batch's next decode step
-        feeds (its model allows it; with the LoRA adapter of every running row, not scored; at
-        most :attr:`part_tokens` prompt tokens in all, first come first served), and the
-        others."""
+        feeds (its model and their LoRA adapters allow it; not scored; at most
+        :attr:`part_tokens` prompt tokens in all, first come first served), and the others."""
         if not self.running:
             return [], requests
         batch = self.running[0].batch
@@ -486,8 +511,8 @@ class ContinuousBatcher:
         return parts
 
     def _packable(self, parts: list[FedPart]) -> tuple[list[FedPart], list[FedPart]]:
-        """The parts the first running batch's next decode step feeds (its model allows it,
-        with the LoRA adapter of every running row), and the others."""
+        """The parts the first running batch's next decode step feeds (its model and their
+        LoRA adapters allow it), and the others."""
         if not self.running:
             return [], parts
         batch = self.running[0].batch
@@ -568,6 +593,7 @@ class ContinuousBatcher:
                 part.request.prompt_ids[part.fed : part.fed + take],
                 part.fed,
                 every_position=part.request.prompt_logprobs is not None,
+                adapter=part.request.adapter,
             )
             for part, take in parts
         ]
@@ -665,16 +691,16 @@ class ContinuousBatcher:
         fed: list[PromptPart],
     ) -> torch.Tensor:
         """The forward of a decode step on ``tokens`` that also feeds the ``joining``
-        requests' prompts and the ``parts`` (``fed``: as :class:`PromptPart`), with the LoRA
-        adapter of them all (:meth:`_mixable`, :meth:`_packable`): its logits, as
+        requests' prompts and the ``parts`` (``fed``: as :class:`PromptPart`), each with its
+        LoRA adapter (:meth:`_mixable`, :meth:`_packable`): its logits, as
         :meth:`~.decode_batch.DecodeBatch.step_mixing` returns them."""
         prompts = [request.prompt_ids for request in joining]
         copies = [len(request.rows) for request in joining]
-        adapter = (joining[0] if joining else parts[0][0].request).adapter
+        adapters = [request.adapter for request in joining]
         width = len(group.rows) + sum(map(len, prompts)) + sum(take for _, take in parts)
         return self.threads.run(
             prefill_bucket(width),
-            lambda: group.batch.step_mixing(tokens, prompts, copies, adapter, fed),
+            lambda: group.batch.step_mixing(tokens, prompts, copies, adapters, fed),
         )
 
     def _retry_apart(self, group: Running, exc: Exception) -> None:

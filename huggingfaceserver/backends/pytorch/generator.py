@@ -104,6 +104,13 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return frozenset(i for i in found if i is not None)
 
 
+def steps_ahead(async_scheduling: bool | None, device_type: str) -> bool:
+    """Whether the decode loop queues a step before the host reads the one before it (vLLM's
+    asynchronous scheduling): as ``--async-scheduling`` / ``--no-async-scheduling`` say, else
+    on a GPU only (a CPU runs each forward as it is queued: nothing would overlap)."""
+    return device_type == "cuda" if async_scheduling is None else async_scheduling
+
+
 def records_steps(ready_masks: bool, device_type: str, enforce_eager: bool, lora: bool) -> bool:
     """Whether decode steps are recorded as CUDA graphs: on a GPU, unless ``--enforce_eager``,
     for a model that takes a ready mask (a reserved cache), never with LoRA adapters (each
@@ -187,7 +194,7 @@ class TransformersGenerator(GenerationBackend):
             self.config.prefill_chunk_tokens,
             self.retire_batch,
             self.settle_batch,
-            step_ahead=self.device.type == "cuda",  # a CPU runs each forward as it is queued
+            step_ahead=steps_ahead(self.config.async_scheduling, self.device.type),
         )
         self.idle_cache: ReservedCache | None = None
         """The KV cache of the last batch whose rows all ended, kept for the next batch that

@@ -1,9 +1,11 @@
 """LoRA adapters on the transformers backend: greedy tokens equal PEFT's own
 ``PeftModel.generate`` for each adapter, with two adapters and the base model decoding in one
-batch; a prompt is fed in the running rows' decode step only while they all have its adapter;
-each row keeps its adapter as rows are repeated, dropped, absorbed and split; no CUDA
-graph is replayed for them; adapters that cannot be served are startup errors; adapters loaded
-and unloaded at run time while requests decode."""
+batch; prompts and prompts' parts of any adapter are fed in the running rows' decode step, each
+token with its own adapter (equal to PEFT's forwards run apart), except an adapter that is not
+plain LoRA linear layers, fed there only beside rows of its own; each row keeps its adapter as
+rows are repeated, dropped, absorbed and split; no CUDA graph is replayed for them; adapters
+that cannot be served are startup errors; adapters loaded and unloaded at run time while
+requests decode."""
 
 from __future__ import annotations
 
@@ -18,15 +20,15 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from huggingfaceserver.backends.pytorch.adapters import BASE
-from huggingfaceserver.backends.pytorch.decode_batch import ReservedCausalLMBatch
+from huggingfaceserver.backends.pytorch.adapters import BASE, LoraAdapters
+from huggingfaceserver.backends.pytorch.decode_batch import PromptPart, ReservedCausalLMBatch
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator, records_steps
 from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
-from tiny_models import build_lora_adapter
+from tiny_models import LORA_TARGETS, build_lora_adapter
 
 from .generation_helpers import PROMPTS, Choice, check_delta, load, prompt, run
 
@@ -77,26 +79,44 @@ def peft_greedy(tiny_models, adapter_dirs) -> Callable[[list[int], str | None], 
     return greedy
 
 
+def token_adapters(lora: LoraAdapters, adapter_names: list[str], tokens: int) -> list[str]:
+    """Each token's adapter in a PEFT forward of one batch row: ``adapter_names``' one, or
+    during :meth:`~LoraAdapters.forward_tokens` its token groups'."""
+    if lora.token_groups is None:
+        return adapter_names * tokens
+    names = [BASE] * tokens
+    for name, index in lora.token_groups.items():
+        for i in index.tolist():
+            names[i] = name
+    return names
+
+
 @contextmanager
 def peft_forwards(
     backend: TransformersGenerator, slow: bool = False
 ) -> Iterator[list[tuple[list[str], list[int], list[int]]]]:
-    """Each PEFT forward made inside the block: its ``adapter_names``, the lengths of the
-    prompts it fed in a decode step and the tokens of the prompts' parts it fed there (none
-    for any other forward). ``slow``: every forward takes a little longer, so that later
-    requests reliably find earlier ones still running."""
+    """Each PEFT forward made inside the block: its adapters (``adapter_names``, one per
+    batch row; for a decode step that feeds prompts, one per token of its one row), the
+    lengths of the prompts it fed in a decode step and the tokens of the prompts' parts it fed
+    there (none for any other forward). ``slow``: every forward takes a little longer, so that
+    later requests reliably find earlier ones still running."""
     seen: list[tuple[list[str], list[int], list[int]]] = []
+    lora = backend.lora
+    assert lora is not None
 
     def record(_module, _args, kwargs) -> None:
         if slow:
             threading.Event().wait(0.005)
         mixed = kwargs.get(MIXED)
-        lengths = [] if mixed is None else [*mixed.columns.lengths]
-        parts = [] if mixed is None else [part.tokens for part in mixed.columns.parts]
-        seen.append((list(kwargs["adapter_names"]), lengths, parts))
+        names = list(kwargs["adapter_names"])
+        if mixed is None:
+            seen.append((names, [], []))
+            return
+        names = token_adapters(lora, names, kwargs["input_ids"].shape[1])
+        parts = [part.tokens for part in mixed.columns.parts]
+        seen.append((names, [*mixed.columns.lengths], parts))
 
-    assert backend.lora is not None
-    handle = backend.lora.peft_model.register_forward_pre_hook(record, with_kwargs=True)
+    handle = lora.peft_model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         yield seen
     finally:
@@ -196,22 +216,23 @@ async def test_prompts_of_the_running_rows_adapter_are_fed_in_their_step(
     with peft_forwards(served, slow=True) as forwards:
         results = await staggered(served, requests)
     check_peft(served, results, requests, peft_greedy)
-    packed = [(names, lengths) for names, lengths, _ in forwards if lengths]
+    packed = [(set(names), lengths) for names, lengths, _ in forwards if lengths]
     name = adapter or BASE
-    assert packed == [([name], [len(short)]), ([name], [len(shorter)])]
+    assert packed == [({name}, [len(short)]), ({name}, [len(shorter)])]
 
 
-async def test_a_long_prompt_of_the_running_rows_adapter_is_fed_in_their_steps(
+async def test_long_prompts_of_any_adapter_are_fed_in_the_running_rows_steps(
     served, peft_greedy
 ) -> None:
-    """Its parts are fed in the running rows' decode steps (one PEFT forward with their
-    adapter each); a long prompt of another adapter is fed in parts of its own; each request
-    gets PEFT's tokens."""
+    """The parts of a long prompt of the running rows' adapter, then of another adapter's,
+    are each fed in the running rows' decode steps (one forward each, every token with its own
+    adapter: every part of both is fed there, once); each request gets PEFT's tokens."""
     long = prompt(served, PROMPTS[2])  # fed in parts of 8
-    whole, rest = divmod(len(long), 8)
-    assert whole > 1
+    turns = -(-len(long) // 8)
+    assert turns > 1
+    short = prompt(served, PROMPTS[1])[:6]
     requests: list[Adapted] = [
-        (prompt(served, PROMPTS[1])[:6], "sql", SamplingParams(temperature=0, max_tokens=40)),
+        (short, "sql", SamplingParams(temperature=0, max_tokens=60)),
         (long, "sql", GREEDY),
         (long, "chat", GREEDY),
     ]
@@ -219,27 +240,160 @@ async def test_a_long_prompt_of_the_running_rows_adapter_is_fed_in_their_steps(
         results = await staggered(served, requests)
     check_peft(served, results, requests, peft_greedy)
     in_steps = [(names, parts) for names, _, parts in forwards if parts]
-    assert in_steps == [(["sql"], [8])] * whole + ([(["sql"], [rest])] if rest else [])
-    assert not [lengths for _, lengths, _ in forwards if lengths]
+    assert [sum(parts) for _, parts in in_steps] == [*chunks(len(long), 8)] * 2
+    fed = [names[-parts[0] :] for names, parts in in_steps]  # the part's own tokens
+    assert fed == [["sql"] * n for n in chunks(len(long), 8)] + [
+        ["chat"] * n for n in chunks(len(long), 8)
+    ]
+    assert all(names[0] == "sql" for names, _ in in_steps)  # the running row's token
 
 
-async def test_a_prompt_of_another_adapter_than_the_running_rows_runs_apart(
+def chunks(length: int, size: int) -> list[int]:
+    """The sizes of the parts a prompt of ``length`` tokens is fed in."""
+    return [min(size, length - start) for start in range(0, length, size)]
+
+
+async def test_prompts_of_other_adapters_are_fed_in_the_running_rows_step(
     served, peft_greedy
 ) -> None:
-    """PEFT takes one adapter per batch row, and a packed forward is one row: a request whose
-    adapter is not every running row's runs its prompt in a forward of its own, then its rows
-    join the batch; once the rows' adapters differ, no prompt is fed in their steps."""
+    """A request whose adapter is not the running rows' has its prompt fed in their decode
+    step all the same, each token with its own adapter (PEFT runs the rows' layers as the base
+    model and each adapter's LoRA output is added to its own tokens), the rows of each
+    adapter and of the base model together; each request gets PEFT's tokens."""
     requests: list[Adapted] = [
-        (prompt(served, PROMPTS[1]), "sql", GREEDY),
-        (prompt(served, PROMPTS[0]), "chat", GREEDY),
-        (prompt(served, PROMPTS[1]), None, SamplingParams(temperature=0, max_tokens=8)),
-        (prompt(served, PROMPTS[0]), "sql", SamplingParams(temperature=0, max_tokens=6)),
+        (prompt(served, PROMPTS[1])[:8], "sql", GREEDY),
+        (prompt(served, PROMPTS[0])[:7], "chat", GREEDY),
+        (prompt(served, PROMPTS[1])[:5], None, SamplingParams(temperature=0, max_tokens=8)),
+        (prompt(served, PROMPTS[0])[:6], "sql", SamplingParams(n=2, temperature=0, max_tokens=6)),
     ]
     with peft_forwards(served, slow=True) as forwards:
         results = await staggered(served, requests)
     check_peft(served, results, requests, peft_greedy)
+    packed = [(names, lengths) for names, lengths, _ in forwards if lengths]
+    assert [lengths for _, lengths in packed] == [[7], [5], [6]]
+    assert [names[-lengths[0] :] for names, lengths in packed] == [
+        ["chat"] * 7,
+        [BASE] * 5,
+        ["sql"] * 6,
+    ]
+    assert {"sql", "chat", BASE} <= set(packed[-1][0][:-6])  # beside rows of all three
+
+
+def test_a_step_feeding_prompts_of_other_adapters_gives_what_peft_gives_apart(served) -> None:
+    """One decode step of rows of an adapter and of the base model that also feeds a prompt
+    of each adapter (one of them for two rows) and another adapter's prompt part: every logits
+    row equals PEFT's forwards run apart, and the rows step on with their own adapters."""
+    running = [prompt(served, PROMPTS[0]), prompt(served, PROMPTS[1])]
+    joining = [prompt(served, PROMPTS[1])[:6], prompt(served, PROMPTS[0])[:4]]
+    long = prompt(served, PROMPTS[2])
+    vocab = served.vocab_size
+    with torch.inference_mode():
+        apart = served.new_batch()
+        apart.prefill_together(running, [1, 1], ["sql", None])
+        alone, in_parts = [served.new_batch(), served.new_batch()], served.new_batch()
+        in_parts.prefill_part(long[:5], 0, "sql")
+        expected = torch.cat(
+            [
+                apart.step([3, 4]),
+                alone[0].prefill(joining[0], 1, adapter="chat")[0],
+                alone[1].prefill(joining[1], 2, adapter="sql")[0],
+                in_parts.score_part(long[5:11], 5, "sql"),
+            ]
+        )
+        later = [
+            torch.cat([apart.step([5, 6]), alone[0].step([7]), alone[1].step([8, 9])]),
+            torch.cat([apart.step([1, 2]), alone[0].step([3]), alone[1].step([4, 5])]),
+        ]
+
+        packed, parted = served.new_batch(), served.new_batch()
+        packed.prefill_together(running, [1, 1], ["sql", None])
+        parted.prefill_part(long[:5], 0, "sql")
+        assert packed.mixes_for("chat") and packed.mixes_for(None)
+        part = PromptPart(parted, long[5:11], 5, every_position=True, adapter="sql")
+        got = packed.step_mixing([3, 4], joining, [1, 2], ["chat", "sql"], [part])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert packed.adapters == ["sql", BASE, "chat", "sql", "sql"]
+        assert parted.adapters == ["sql"]
+        for tokens, want in zip(([5, 6, 7, 8, 9], [1, 2, 3, 4, 5]), later, strict=True):
+            torch.testing.assert_close(packed.step(tokens), want, atol=1e-4, rtol=1e-4)
+    assert vocab > 9
+
+
+def test_tokens_of_each_adapter_in_one_forward_give_peft_rows(served) -> None:
+    """forward_tokens with each token's adapter gives, row by row, PEFT's mixed-adapter batch
+    with each row's adapter; a token's adapter changes its own output only."""
+    lora = served.lora
+    assert lora is not None and lora.per_token == set(ADAPTERS)
+    ids = torch.randint(0, served.vocab_size, (3, 5), generator=torch.Generator().manual_seed(3))
+    rows = ["sql", BASE, "chat"]
+    with torch.inference_mode():
+        expected = lora.forward(rows, input_ids=ids).logits
+        got = lora.forward_tokens([name for name in rows for _ in range(5)], input_ids=ids).logits
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        base = lora.forward([BASE] * 3, input_ids=ids).logits
+    assert not torch.allclose(got[0], base[0]) and not torch.allclose(got[2], base[2])
+    torch.testing.assert_close(got[1], base[1])
+    assert lora.token_groups is None  # only during the forward
+
+
+@pytest.fixture(scope="module")
+def with_embedding_adapter(tiny_models, adapter_dirs, peft_greedy, tmp_path_factory):
+    """The tiny Llama with the ``sql`` adapter and ``vocab``, whose LoRA also targets the
+    token embeddings (no plain linear layer: not mixed per token), and PEFT's greedy tokens
+    for it."""
+    vocab = build_lora_adapter(
+        tiny_models["llama"],
+        tmp_path_factory.mktemp("lora-vocab") / "vocab",
+        7,
+        (*LORA_TARGETS, "embed_tokens"),
+    )
+    dirs = {"sql": adapter_dirs["sql"], "vocab": vocab}
+    backend = load(tiny_models["llama"], *lora_flags(dirs), "--prefill_chunk_tokens", "8")
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    model = PeftModel.from_pretrained(base, vocab).eval()
+
+    def greedy(ids: list[int], adapter: str | None) -> list[int]:
+        if adapter != "vocab":
+            return peft_greedy(ids, adapter)
+        with torch.no_grad():
+            output = model.generate(
+                input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=30
+            )
+        return output[0, len(ids) :].tolist()
+
+    yield backend, greedy
+    backend.shutdown()
+
+
+async def test_an_adapter_not_mixed_per_token_is_fed_only_beside_its_own_rows(
+    with_embedding_adapter,
+) -> None:
+    """An adapter on the token embeddings is not mixed per token: its prompt runs in a
+    forward of its own beside rows of another adapter, and is fed in the rows' step where
+    they all have its adapter; each request gets PEFT's tokens."""
+    backend, greedy = with_embedding_adapter
+    lora = backend.lora
+    assert lora.per_token == {"sql"}
+    assert not lora.packs(["sql", "vocab"]) and lora.packs(["vocab"]) and lora.packs(["sql", BASE])
+    first, second = prompt(backend, PROMPTS[1])[:8], prompt(backend, PROMPTS[0])[:6]
+    requests: list[Adapted] = [
+        (first, "sql", GREEDY),
+        (second, "vocab", GREEDY),  # beside a sql row: apart
+    ]
+    with peft_forwards(backend, slow=True) as forwards:
+        results = await staggered(backend, requests)
+    check_peft(backend, results, requests, greedy)
     assert not [lengths for _, lengths, _ in forwards if lengths]
-    assert any({"sql", "chat", BASE} <= set(names) for names, _, _ in forwards)
+    requests = [
+        (first, "vocab", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+        (second, "vocab", GREEDY),  # beside a vocab row: in its step
+    ]
+    with peft_forwards(backend, slow=True) as forwards:
+        results = await staggered(backend, requests)
+    check_peft(backend, results, requests, greedy)
+    assert [(set(names), lengths) for names, lengths, _ in forwards if lengths] == [
+        ({"vocab"}, [len(second)])
+    ]
 
 
 def test_no_cuda_graphs_are_recorded_with_adapters() -> None:

@@ -26,7 +26,7 @@ from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
 from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.sequence import SequenceState
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
-from huggingfaceserver.errors import NotReady
+from huggingfaceserver.errors import NotReady, ServerError
 from huggingfaceserver.generation.params import SamplingParams, TokenLogprob
 from huggingfaceserver.observability.syncs import SyncCounter
 
@@ -627,6 +627,34 @@ async def test_a_request_whose_rows_break_the_model_fails_alone(backends) -> Non
     assert tokens([results[0], results[2]]) == tokens(expected)
     (choice,) = await run(backend, *others[0])  # the loop goes on
     assert choice.token_ids == expected[0][0].token_ids
+
+
+async def test_a_bug_outside_every_step_fails_its_requests_and_the_loop_goes_on(
+    backends,
+) -> None:
+    """What raises in a turn outside the guards of a prefill or a step (a bug: here the
+    callback that settles a new batch) ends the turn's requests with a 500 naming it, instead
+    of killing the loop's thread and leaving every request waiting; the next request is
+    served as before."""
+    backend = backends("llama")
+    request = (prompt(backend, PROMPTS[0]), GREEDY)
+    (expected,) = await alone(backend, [request])
+    batcher = backend.batcher
+    settle = batcher.settle
+
+    def broken(_batch) -> None:
+        batcher.settle = settle  # once
+        raise KeyError("a bug")
+
+    batcher.settle = broken
+    try:
+        with pytest.raises(ServerError, match="the decode loop failed: KeyError"):
+            await asyncio.wait_for(run(backend, *request), 60)  # not waiting for ever
+    finally:
+        batcher.settle = settle
+    assert batcher.thread.is_alive() and not batcher.running
+    (choice,) = await run(backend, *request)
+    assert choice.token_ids == expected[0].token_ids
 
 
 async def test_sequence_to_sequence_requests_run_concurrently(backends) -> None:

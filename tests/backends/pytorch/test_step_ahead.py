@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from huggingfaceserver.backends.pytorch.decode_loop import DecodeRequest
-from huggingfaceserver.backends.pytorch.generator import TransformersGenerator
+from huggingfaceserver.backends.pytorch.generator import TransformersGenerator, steps_ahead
 from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.step_graphs import Forward, StepGraphs
 from huggingfaceserver.generation.params import SamplingParams
@@ -274,3 +274,21 @@ async def test_a_decode_step_queued_ahead_waits_for_the_device_once(backends) ->
     assert len(steps) == GREEDY.max_tokens  # the 15 after the prompt's, and the one dropped
     assert backend.batcher.stepped_ahead - before == len(steps) - 1  # all but the first
     assert counter.outside_module == len(shapes) - 1, counter.counts
+
+
+async def test_vllms_switch_turns_steps_ahead_on_and_off(tiny_models, backends) -> None:
+    """On a GPU by default, on a CPU not; ``--async-scheduling`` / ``--no-async-scheduling``
+    (vLLM's switch) turn it on or off on either, and the tokens are the same."""
+    assert steps_ahead(None, "cuda") and not steps_ahead(None, "cpu")
+    assert steps_ahead(True, "cpu") and not steps_ahead(False, "cuda")
+    ids = prompt(backends("llama"), PROMPTS[0])
+    (expected,) = await run(backends("llama"), ids, GREEDY)
+    for flag, on in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        backend = load(tiny_models["llama"], flag)
+        try:
+            assert backend.batcher.step_ahead is on
+            (choice,) = await run(backend, ids, GREEDY)
+            assert choice.token_ids == expected.token_ids
+            assert (backend.batcher.stepped_ahead > 0) is on
+        finally:
+            backend.shutdown()
