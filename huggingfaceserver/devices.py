@@ -46,6 +46,10 @@ class HostCopy:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
+    def done(self) -> bool:
+        """Whether the copy is in (always on a CPU): :meth:`values` would not wait."""
+        return self.ready is None or bool(self.ready.query())
+
     def values(self) -> list[Any]:
         """The values as Python numbers (``tolist``), once the copy is in."""
         if self.ready is not None:

@@ -12,8 +12,13 @@ its own (:meth:`LoraAdapters.forward_tokens`): PEFT runs it as the base model, a
 on each LoRA linear layer (torch's public ``register_forward_hook``) adds each adapter's
 ``lora_B(lora_A(x)) * scaling`` to its own tokens' outputs, as PEFT's mixed batches add it to
 their rows, from the layer's public ``lora_A``, ``lora_B``, ``lora_dropout`` and ``scaling``.
-Only adapters made of plain LoRA linear layers are mixed per token (:attr:`LoraAdapters.per_token`);
-a prompt of another one is packed only with rows of its own adapter.
+Rows of several adapters go the same way (each row's tokens with its adapter), with each
+adapter's token indices on the device, made once while the rows stay the same: PEFT's mixed
+batches index each LoRA layer's rows with a Python list per adapter, copied to a GPU from
+pageable memory, a wait for the device per adapter and layer in every decode step.
+Only adapters made of plain LoRA linear layers are mixed by token (:attr:`LoraAdapters.per_token`);
+a batch with another one goes through PEFT's ``adapter_names``, and a prompt of it is packed
+only with rows of its own adapter.
 
 What PEFT cannot mix in a batch is refused: adapters other than LoRA, DoRA, and
 sequence-to-sequence models (the decode loop runs their encoder apart from PEFT's forward).
@@ -25,7 +30,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -78,7 +82,12 @@ class LoraAdapters:
         self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         """The LoRA layers that add the per-token adapters' outputs."""
         self.token_groups: dict[str, torch.Tensor] | None = None
-        """While :meth:`forward_tokens` runs: each adapter's token indices (flattened)."""
+        """While a forward by token runs: each adapter's token indices (flattened)."""
+        self.token_count = 0
+        """The tokens of the forward by token that runs."""
+        self.groups: dict[str, torch.Tensor] = {}
+        self.grouped_for: list[str] = []
+        """The adapter of each token that :attr:`groups` were made for."""
 
     def add(self, module: LoraModule) -> None:
         """Load the adapter into the model (changed in place); :class:`InvalidAdapter` for one
@@ -116,10 +125,19 @@ class LoraAdapters:
         logger.info("unloaded LoRA adapter %s", name)
 
     def forward(self, adapters: list[str], **inputs: Any) -> Any:
-        """The model's forward, row ``i`` with adapter ``adapters[i]`` (:data:`BASE`: none)."""
+        """The model's forward, row ``i`` with adapter ``adapters[i]`` (:data:`BASE`: none):
+        where the rows' adapters differ and each is mixed by token, by token (each row's
+        tokens with its adapter; PEFT's mixed batches index a layer's rows with a Python list
+        per adapter, which on a GPU waits for the device in every LoRA layer), else through
+        PEFT's ``adapter_names``."""
         if not self.names:  # none loaded yet, or every one unloaded
             return self.model(**inputs)
-        return self.peft_model(adapter_names=self._served(adapters), **inputs)
+        names = self._served(adapters)
+        if len(set(names)) > 1 and self.packs(names):
+            tokens = inputs["input_ids"].shape[1]
+            each = [name for name in names for _ in range(tokens)]
+            return self._by_token(each, len(names), inputs)
+        return self.peft_model(adapter_names=names, **inputs)
 
     def packs(self, adapters: Iterable[str]) -> bool:
         """Whether tokens of these adapters (PEFT's names) can share one batch row
@@ -132,26 +150,28 @@ class LoraAdapters:
         """The model's forward, token ``i`` of its inputs (flattened, e.g. one packed batch
         row) with adapter ``adapters[i]``; only where :meth:`packs` them."""
         names = self._served(adapters)
-        distinct = set(names)
-        if len(distinct) == 1:  # PEFT's own path: one adapter for the row
-            rows = inputs["input_ids"].shape[0]
-            return self.forward([names[0]] * rows, **inputs)
-        if not self.packs(distinct):
-            raise ValueError(f"LoRA adapters {sorted(distinct)} cannot share a batch row")
-        device = inputs["input_ids"].device
-        groups = {
-            name: to_device([i for i, n in enumerate(names) if n == name], device, torch.long)
-            for name in distinct - {BASE}
-        }
         rows = inputs["input_ids"].shape[0]
-        with self._tokens(groups):
-            return self.peft_model(adapter_names=[BASE] * rows, **inputs)
+        if len(set(names)) == 1:  # PEFT's own path: one adapter for every row
+            return self.forward([names[0]] * rows, **inputs)
+        if not self.packs(names):
+            raise ValueError(f"LoRA adapters {sorted(set(names))} cannot share a batch row")
+        return self._by_token(names, rows, inputs)
 
-    @contextmanager
-    def _tokens(self, groups: dict[str, torch.Tensor]) -> Iterator[None]:
-        self.token_groups = groups
+    def _by_token(self, names: list[str], rows: int, inputs: dict[str, Any]) -> Any:
+        """PEFT's forward of the ``rows`` rows as the base model, the hooks adding each
+        adapter's LoRA output to its own tokens (token ``i`` of the flattened inputs with
+        ``names[i]``). The indices of each adapter's tokens go to the device once for a run of
+        forwards with the same ``names`` (a batch's decode steps)."""
+        if self.grouped_for != names:
+            device = inputs["input_ids"].device
+            self.groups = {
+                name: to_device([i for i, n in enumerate(names) if n == name], device, torch.long)
+                for name in set(names) - {BASE}
+            }
+            self.grouped_for = names
+        self.token_groups, self.token_count = self.groups, len(names)
         try:
-            yield
+            return self.peft_model(adapter_names=[BASE] * rows, **inputs)
         finally:
             self.token_groups = None
 
@@ -187,14 +207,19 @@ class LoraAdapters:
     def _add_token_outputs(
         self, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
     ) -> torch.Tensor | None:
-        """During :meth:`forward_tokens` (PEFT ran the layer as the base model): each
+        """During a forward by token (PEFT ran the layer as the base model): each
         adapter's LoRA output added to its own tokens' rows, as PEFT adds it to its rows."""
         groups = self.token_groups
         if groups is None:
             return None
         x = args[0] if args else kwargs["x"]
         inputs = x.reshape(-1, x.shape[-1])
-        outputs = output.view(-1, output.shape[-1])
+        if inputs.shape[0] != self.token_count:  # e.g. an expert's share of the tokens
+            raise ValueError(
+                f"a LoRA layer ({type(layer.base_layer).__name__}) takes {inputs.shape[0]} "
+                f"rows for {self.token_count} tokens: its adapters cannot be mixed by token"
+            )
+        outputs = output.reshape(-1, output.shape[-1])  # a view where the output allows it
         for name, index in groups.items():
             if name not in layer.lora_A:
                 continue
@@ -202,7 +227,7 @@ class LoraAdapters:
             tokens = inputs.index_select(0, index).to(lora_a.weight.dtype)
             added = layer.lora_B[name](lora_a(layer.lora_dropout[name](tokens)))
             outputs.index_add_(0, index, (added * layer.scaling[name]).to(outputs.dtype))
-        return output
+        return outputs.view(output.shape)
 
     def _config(self, module: LoraModule) -> Any:
         """The adapter's PEFT config, checked to be a LoRA that PEFT mixes in a batch."""

@@ -267,8 +267,10 @@ class CausalLMBatch(DecodeBatch):
         """The attention mask of a first forward of ``rows`` rows of ``tokens`` tokens."""
         return torch.ones(rows, tokens, dtype=torch.long, device=self.device)
 
-    def _repeat(self, index: torch.Tensor) -> None:
-        """The rows after a first forward, repeated or reordered by ``index``."""
+    def _repeat(self, order: list[int]) -> None:
+        """The rows after a first forward, repeated or reordered as ``order`` says (host
+        values: on a GPU nothing waits to read them)."""
+        index = to_device(order, self.device, torch.long)
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
 
@@ -307,7 +309,7 @@ class CausalLMBatch(DecodeBatch):
 
     def finish_prefill(self, length: int, rows: int) -> None:
         if rows > 1:
-            self._repeat(torch.zeros(rows, dtype=torch.long, device=self.device))
+            self._repeat([0] * rows)
             self.adapters = self.adapters * rows
         self.positions = torch.full((rows,), length, dtype=torch.long, device=self.device)
 
@@ -357,11 +359,9 @@ class CausalLMBatch(DecodeBatch):
         self.mask = mask
         lengths = to_device([len(p) for p in prompts], self.device, torch.long)
         if any(count != 1 for count in rows):
-            index = torch.repeat_interleave(
-                torch.arange(len(prompts), device=self.device),
-                to_device(rows, self.device, torch.long),
-            )
-            self._repeat(index)
+            order = [prompt for prompt, count in enumerate(rows) for _ in range(count)]
+            self._repeat(order)
+            index = to_device(order, self.device, torch.long)
             logits = logits.index_select(0, index)
             lengths = lengths.index_select(0, index)
             self.adapters = [
@@ -435,8 +435,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def _begin(self, tokens: int, rows: int) -> torch.Tensor:
         return self.cache.reserve(tokens, rows)
 
-    def _repeat(self, index: torch.Tensor) -> None:
-        self.cache.select_rows(index.tolist())
+    def _repeat(self, order: list[int]) -> None:
+        self.cache.select_rows(order)
 
     @property
     def mask(self) -> torch.Tensor:  # type: ignore[override]

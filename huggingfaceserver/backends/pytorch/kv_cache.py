@@ -15,7 +15,10 @@ right-aligned to the last column: the running rows are not copied. Only a prompt
 columns in use moves them (and a full buffer: the columns in use move to its front). They move
 within the buffers wherever those have room; the buffers are replaced (by larger ones) only
 where they have none. Rows that finish are dropped by moving the kept ones up
-(:meth:`ReservedCache.select_rows`), once per finish, not per step.
+(:meth:`ReservedCache.select_rows`), once per finish, not per step; the leading columns that
+then hold no row's token leave the columns in use (:meth:`ReservedCache.trim`) without the
+host waiting for the device: where they start is copied to the host behind the work queued,
+and taken at a later forward once it is in, unless rows joined or the columns moved since.
 New prompts may also be fed in a decode step's own forward (:mod:`.ragged`): their rows are
 opened empty (:meth:`ReservedCache.open_rows`) and, while the forward runs
 (:meth:`ReservedCache.mixing`), each layer writes the decode rows' one token at the step's
@@ -51,7 +54,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ...devices import to_device
+from ...devices import HostCopy, to_device
 
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
@@ -237,6 +240,16 @@ class ReservedLayer(CacheLayerMixin):
         return self.key_buffer, self.value_buffer
 
 
+@dataclass(frozen=True)
+class PendingTrim:
+    """A :meth:`ReservedCache.trim` on its way: the first column any row held, counted from
+    ``start`` (the cache's then), when the cache's :attr:`~ReservedCache.moves` was ``moves``."""
+
+    first: HostCopy
+    start: int
+    moves: int
+
+
 class ReservedCache(Cache):
     """The KV cache of a batch of rows, reserved ahead (see the module's docstring).
 
@@ -259,6 +272,11 @@ class ReservedCache(Cache):
         """Set while a forward runs over the whole buffers (:meth:`writing_at`)."""
         self.mixed: MixedColumns | None = None
         """Set while a packed forward of decode rows and prompts runs (:meth:`mixing`)."""
+        self.moves = 0
+        """Counts the changes that may put a row's tokens left of where a :meth:`trim` found
+        the first held column: the columns in use moved, or rows joined."""
+        self.trimming: PendingTrim | None = None
+        """A :meth:`trim` whose first held column is on its way to the host."""
         self.reserved_layers = [ReservedLayer(self, index) for index in range(num_layers)]
         """:attr:`layers`, typed as what they are."""
         super().__init__(layers=list(self.reserved_layers))
@@ -275,6 +293,7 @@ class ReservedCache(Cache):
         """Room for a forward of ``tokens`` new tokens per row (of ``rows`` rows, for the first
         forward); the attention mask it takes (the columns in use and the new ones, which hold
         tokens in every row)."""
+        self._take_trim()
         if rows is None:
             self._fit(self.rows, self.end + tokens)
         elif self.end > self.start:
@@ -282,6 +301,7 @@ class ReservedCache(Cache):
         else:  # nothing held yet: no rows to carry
             self._fit(rows, self.end + tokens)
             self.rows = rows
+            self.moves += 1
         self.mask_buffer[: self.rows, self.end : self.end + tokens] = 1
         return self.mask_buffer[: self.rows, self.start : self.end + tokens]
 
@@ -327,6 +347,7 @@ class ReservedCache(Cache):
         dropped; their keys and values stay in the cells until overwritten: finite numbers
         (:meth:`clear_rows`), hidden by the mask like any padding."""
         self.rows = self.start = self.end = 0
+        self.moves += 1
         self.mask_buffer.zero_()
         width = other.end - other.start
         self._fit(other.rows, width)
@@ -349,6 +370,7 @@ class ReservedCache(Cache):
         before = self.rows
         if self.end <= self.start:
             raise ValueError("rows are opened beside rows that hold tokens")
+        self.moves += 1
         rows = before + len(lengths)
         self._widen(rows, max(lengths) - 1)  # the widest prompt's columns before the step's
         self._fit(rows, self.end)
@@ -395,6 +417,7 @@ class ReservedCache(Cache):
         if stop > self.column_capacity:
             self.column_capacity = stop + max(stop // 2, MIN_GROWTH)
         held = self.mask_buffer[: self.rows, self.start : self.end].clone()
+        self.moves += 1
         if (self.row_capacity, self.column_capacity) == capacity:
             if move_to != self.start:
                 for layer in self.reserved_layers:
@@ -417,6 +440,7 @@ class ReservedCache(Cache):
         held = self.end - self.start
         if width <= held:
             return
+        self.moves += 1
         if self.start >= width - held:
             self._clear(slice(0, self.rows), slice(self.end - width, self.start))
             self.start = self.end - width
@@ -441,12 +465,28 @@ class ReservedCache(Cache):
         self.rows = len(indices)
 
     def trim(self) -> None:
-        """Stop using the leading columns that are padding in every row (no copy)."""
-        if not self.rows:  # nothing to read (and no wait for the device)
+        """Stop using the leading columns that are padding in every row (no copy), without
+        waiting for the device: at once where the first held column is read without a wait (a
+        CPU), else at the first forward after its copy is in (:meth:`_take_trim`)."""
+        if not self.rows:  # nothing to read
             return
         held = self.mask.any(dim=0)
         if held.numel():
-            self.start += int(held.int().argmax())
+            first = HostCopy(held.int().argmax().view(1))
+            self.trimming = PendingTrim(first, self.start, self.moves)
+            self._take_trim()
+
+    def _take_trim(self) -> None:
+        """The columns a :meth:`trim` found to be padding leave the columns in use, once their
+        count is on the host, unless rows joined or the columns moved since (the trim is then
+        dropped: the next finish trims again)."""
+        trimming = self.trimming
+        if trimming is None or not trimming.first.done():
+            return
+        self.trimming = None
+        if trimming.moves == self.moves:
+            (first,) = trimming.first.values()
+            self.start = max(self.start, min(trimming.start + first, self.end))
 
     def absorb(self, other: ReservedCache) -> None:
         """Take ``other``'s rows after this cache's own, their tokens ending at the same last
@@ -454,6 +494,7 @@ class ReservedCache(Cache):
         already here."""
         theirs = other.end - other.start
         rows = self.rows + other.rows
+        self.moves += 1
         self._widen(rows, theirs)
         self._fit(rows, self.end)
         new_rows = slice(self.rows, rows)

@@ -28,6 +28,7 @@ from huggingfaceserver.backends.pytorch.ragged import MIXED
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
+from huggingfaceserver.observability.syncs import SyncCounter
 from tiny_models import LORA_TARGETS, build_lora_adapter
 
 from .generation_helpers import PROMPTS, Choice, check_delta, load, prompt, run
@@ -79,12 +80,12 @@ def peft_greedy(tiny_models, adapter_dirs) -> Callable[[list[int], str | None], 
     return greedy
 
 
-def token_adapters(lora: LoraAdapters, adapter_names: list[str], tokens: int) -> list[str]:
-    """Each token's adapter in a PEFT forward of one batch row: ``adapter_names``' one, or
-    during :meth:`~LoraAdapters.forward_tokens` its token groups'."""
+def forward_adapters(lora: LoraAdapters, adapter_names: list[str]) -> list[str]:
+    """The adapters of a PEFT forward: ``adapter_names`` (one per row), or for a forward by
+    token (PEFT's rows all :data:`BASE`, the hooks adding each adapter) each token's."""
     if lora.token_groups is None:
-        return adapter_names * tokens
-    names = [BASE] * tokens
+        return adapter_names
+    names = [BASE] * lora.token_count
     for name, index in lora.token_groups.items():
         for i in index.tolist():
             names[i] = name
@@ -95,8 +96,9 @@ def token_adapters(lora: LoraAdapters, adapter_names: list[str], tokens: int) ->
 def peft_forwards(
     backend: TransformersGenerator, slow: bool = False
 ) -> Iterator[list[tuple[list[str], list[int], list[int]]]]:
-    """Each PEFT forward made inside the block: its adapters (``adapter_names``, one per
-    batch row; for a decode step that feeds prompts, one per token of its one row), the
+    """Each PEFT forward made inside the block: its adapters (:func:`forward_adapters`: one
+    per batch row, or one per token of a forward by token, such as a decode step that feeds
+    prompts of several adapters in its one row), the
     lengths of the prompts it fed in a decode step and the tokens of the prompts' parts it fed
     there (none for any other forward). ``slow``: every forward takes a little longer, so that
     later requests reliably find earlier ones still running."""
@@ -108,11 +110,10 @@ def peft_forwards(
         if slow:
             threading.Event().wait(0.005)
         mixed = kwargs.get(MIXED)
-        names = list(kwargs["adapter_names"])
+        names = forward_adapters(lora, list(kwargs["adapter_names"]))
         if mixed is None:
             seen.append((names, [], []))
             return
-        names = token_adapters(lora, names, kwargs["input_ids"].shape[1])
         parts = [part.tokens for part in mixed.columns.parts]
         seen.append((names, [*mixed.columns.lengths], parts))
 
@@ -241,10 +242,11 @@ async def test_long_prompts_of_any_adapter_are_fed_in_the_running_rows_steps(
     check_peft(served, results, requests, peft_greedy)
     in_steps = [(names, parts) for names, _, parts in forwards if parts]
     assert [sum(parts) for _, parts in in_steps] == [*chunks(len(long), 8)] * 2
-    fed = [names[-parts[0] :] for names, parts in in_steps]  # the part's own tokens
-    assert fed == [["sql"] * n for n in chunks(len(long), 8)] + [
-        ["chat"] * n for n in chunks(len(long), 8)
-    ]
+    # one PEFT row of "sql" while all are its; by token once the "chat" part joins
+    fed = [set(names[-parts[0] :]) for names, parts in in_steps]
+    turns = len(chunks(len(long), 8))
+    assert fed == [{"sql"}] * turns + [{"chat"}] * turns
+    assert all(len(names) > parts[0] for names, parts in in_steps[turns:])
     assert all(names[0] == "sql" for names, _ in in_steps)  # the running row's token
 
 
@@ -320,20 +322,49 @@ def test_a_step_feeding_prompts_of_other_adapters_gives_what_peft_gives_apart(se
 
 
 def test_tokens_of_each_adapter_in_one_forward_give_peft_rows(served) -> None:
-    """forward_tokens with each token's adapter gives, row by row, PEFT's mixed-adapter batch
-    with each row's adapter; a token's adapter changes its own output only."""
+    """A forward by token (each token's adapter, or each row's for rows of several adapters)
+    gives, row by row, PEFT's own mixed-adapter batch with each row's adapter; a token's
+    adapter changes its own output only."""
     lora = served.lora
     assert lora is not None and lora.per_token == set(ADAPTERS)
     ids = torch.randint(0, served.vocab_size, (3, 5), generator=torch.Generator().manual_seed(3))
     rows = ["sql", BASE, "chat"]
     with torch.inference_mode():
-        expected = lora.forward(rows, input_ids=ids).logits
-        got = lora.forward_tokens([name for name in rows for _ in range(5)], input_ids=ids).logits
+        expected = lora.peft_model(adapter_names=rows, input_ids=ids).logits
+        by_token = lora.forward_tokens([name for name in rows for _ in range(5)], input_ids=ids)
+        by_row = lora.forward(rows, input_ids=ids)
+        base = lora.peft_model(adapter_names=[BASE] * 3, input_ids=ids).logits
+    for got in (by_token.logits, by_row.logits):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-        base = lora.forward([BASE] * 3, input_ids=ids).logits
-    assert not torch.allclose(got[0], base[0]) and not torch.allclose(got[2], base[2])
-    torch.testing.assert_close(got[1], base[1])
+    assert not torch.allclose(expected[0], base[0]) and not torch.allclose(expected[2], base[2])
+    torch.testing.assert_close(by_row.logits[1], base[1])
     assert lora.token_groups is None  # only during the forward
+
+
+def test_a_step_of_rows_of_several_adapters_reads_no_host_index(served) -> None:
+    """A decode step of rows of two adapters and the base model: inside the model nothing
+    waits for the device (PEFT's own mixed batch indexes each LoRA layer's rows with a Python
+    list, copied to a GPU from pageable memory, once per adapter and layer), and the rows'
+    logits are PEFT's."""
+    prompts = [prompt(served, text) for text in PROMPTS]
+    adapters = ["sql", None, "chat"]
+    with torch.inference_mode():
+        batch = served.new_batch()
+        batch.prefill_together(prompts, [1, 1, 1], adapters)
+        with SyncCounter() as counter, counter.separating(served.model):
+            got = batch.step([3, 4, 5])
+        alone = []
+        for ids, adapter, token in zip(prompts, adapters, [3, 4, 5], strict=True):
+            one = served.new_batch()
+            one.prefill(ids, 1, adapter=adapter)
+            alone.append(one.step([token]))
+    assert counter.in_module == 0, counter.counts
+    torch.testing.assert_close(got, torch.cat(alone), atol=1e-4, rtol=1e-4)
+    with torch.inference_mode(), SyncCounter() as peft_counter:
+        served.lora.peft_model(
+            adapter_names=["sql", BASE, "chat"], input_ids=torch.ones(3, 1).long()
+        )
+    assert peft_counter.total > 0  # what the step would have waited for on a GPU
 
 
 @pytest.fixture(scope="module")

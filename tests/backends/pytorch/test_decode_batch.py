@@ -12,6 +12,7 @@ from huggingfaceserver.backends.pytorch.decode_batch import (
     DecodeBatch,
     takes_ready_masks,
 )
+from huggingfaceserver.observability.syncs import SyncCounter
 
 from .generation_helpers import PROMPTS, prompt
 
@@ -101,6 +102,22 @@ def test_prompts_scored_together_give_what_each_gives_alone(backends, name: str)
     assert [tuple(s.shape) for s in scored] == [(len(p) - 1, backend.vocab_size) for p in prompts]
     for got, (_, want) in zip(scored, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_rows_repeated_for_several_choices_wait_for_nothing(backends, name: str) -> None:
+    """Prompts prefilled for several rows each (``n`` choices), together or alone: outside
+    the model's forward nothing reads the device's values (the repeated rows' order is built
+    on the host), so that on a GPU admitting them does not wait for the steps queued."""
+    backend = backends(name)
+    prompts = [prompt(backend, text) for text in PROMPTS]
+    with torch.inference_mode():
+        together, alone = backend.new_batch(), backend.new_batch()
+        with SyncCounter() as counter, counter.separating(backend.model):
+            together.prefill_together(prompts, [2, 1, 3])
+            alone.prefill(prompts[0], 3)
+    assert counter.outside_module == 0, counter.counts
+    assert together.mask.shape[0] == 6 and alone.mask.shape[0] == 3
 
 
 def test_keep_drops_the_padding_no_row_needs(backends) -> None:

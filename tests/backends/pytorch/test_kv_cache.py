@@ -118,6 +118,109 @@ def test_requests_that_join_step_as_they_would_alone(backends, name, joining_fir
             )
 
 
+class OnItsWay:
+    """A trim's first held column still on its way to the host, until :meth:`arrive`."""
+
+    def __init__(self, value: int):
+        self.value, self.arrived = value, False
+
+    def arrive(self) -> None:
+        self.arrived = True
+
+    def done(self) -> bool:
+        return self.arrived
+
+    def values(self) -> list[int]:
+        assert self.arrived, "read before it was in: the host would have waited"
+        return [self.value]
+
+
+def pending_trim(batch: ReservedCausalLMBatch, keep: list[int]) -> tuple[OnItsWay, int]:
+    """``batch`` keeps the rows ``keep`` with their trim on its way, as a GPU leaves it: the
+    copy, and the columns it will take out."""
+    cache = batch.cache
+    before = cache.start
+    batch.keep(keep)  # on this CPU the trim is taken at once: undone here, to be redone
+    padding, cache.start = cache.start - before, before
+    copy = OnItsWay(padding)
+    cache.trimming = kv_cache.PendingTrim(copy, before, cache.moves)  # type: ignore[arg-type]
+    return copy, padding
+
+
+def test_a_trim_is_taken_once_its_column_is_in_and_dropped_after_a_join(backends) -> None:
+    """On a GPU a finish does not wait for the device to learn which leading columns became
+    padding: the columns in use shrink at the first forward after the copy is in, and never
+    where rows joined in between (their tokens may start left of that column). Every step's
+    logits equal transformers' own cache all along."""
+    backend = backends("llama")
+    short, wide = prompt(backend, PROMPTS[0]), prompt(backend, PROMPTS[2]) * 2
+    feed = tokens(6, backend.vocab_size, 8)
+    with torch.inference_mode():
+        alone, batch = Alone(backend, short), reserved(backend)
+        batch.prefill(short, 1)
+        leaving = reserved(backend)
+        leaving.prefill(wide, 1)
+        assert batch.absorb(leaving)
+        batch.step([feed[0], feed[0]])
+        alone.step([feed[0]])
+        copy, padding = pending_trim(batch, [0])
+        assert padding > 0
+        start = batch.cache.start
+        torch.testing.assert_close(batch.step([feed[1]]), alone.step([feed[1]]), **PADDED)
+        assert batch.cache.start == start and batch.cache.trimming is not None  # not waited
+        copy.arrive()
+        torch.testing.assert_close(batch.step([feed[2]]), alone.step([feed[2]]), **PADDED)
+        assert batch.cache.start == start + padding and batch.cache.trimming is None
+
+        again = reserved(backend)
+        again.prefill(wide, 1)
+        assert batch.absorb(again)
+        batch.step([feed[3], feed[3]])
+        alone.step([feed[3]])
+        copy, padding = pending_trim(batch, [0])  # the wide row leaves again
+        assert padding > 0
+        held = batch.cache.end - batch.cache.start - padding  # the short row's columns
+        middle = wide[: held + 2]  # joins without widening; starts left of the short row
+        joining = reserved(backend)
+        joining.prefill(middle, 1)
+        assert batch.absorb(joining)  # a row joined: the trim on its way no longer applies
+        middle_alone = Alone(backend, middle)
+        copy.arrive()
+        start = batch.cache.start
+        got = batch.step([feed[4], feed[4]])
+        assert batch.cache.start == start and batch.cache.trimming is None
+        torch.testing.assert_close(got[:1], alone.step([feed[4]]), **PADDED)
+        torch.testing.assert_close(got[1:], middle_alone.step([feed[4]]), **PADDED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_finish_on_a_gpu_does_not_wait_for_the_device(tiny_models) -> None:
+    """Rows kept while the device is busy: the trim is left on its way (the host did not
+    wait), and taken at a forward once it is in."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).to("cuda").eval()
+    layers = ReservedCausalLMBatch.cache_layers(model)
+    assert layers
+    with torch.inference_mode():
+        batch = ReservedCausalLMBatch(model, ReservedCache(layers, 4, model.device))
+        batch.prefill([5, 6, 7], 1)
+        leaving = ReservedCausalLMBatch(model, ReservedCache(layers, 4, model.device))
+        leaving.prefill(list(range(10, 40)), 1)
+        assert batch.absorb(leaving)
+        batch.step([8, 9])
+        start = batch.cache.start
+        busy = torch.ones(2048, 2048, device="cuda")
+        for _ in range(200):  # tens of milliseconds of work queued ahead of the copy
+            busy = busy @ busy / 2048
+        batch.keep([0])
+        assert batch.cache.start == start and batch.cache.trimming is not None
+        torch.cuda.synchronize()
+        batch.step([10])
+        assert batch.cache.start > start and batch.cache.trimming is None
+
+
 def test_a_request_that_joins_does_not_copy_the_running_rows(backends) -> None:
     backend = backends("llama")
     with torch.inference_mode():
