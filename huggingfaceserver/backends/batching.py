@@ -144,6 +144,13 @@ def plan_batches(
     return batches
 
 
+def end_all(requests: list[EncodeRequest], error: BaseException) -> None:
+    """These requests fail with ``error`` (their event loops woken once)."""
+    with deferred():
+        for request in requests:
+            request.end(error)
+
+
 class EncoderBatcher:
     """One worker thread, one queue of requests, one future per request.
 
@@ -247,8 +254,7 @@ class EncoderBatcher:
             requests, self.waiting = list(self.waiting), deque()
             self.metrics.taken(len(requests))
             self.metrics.idle()
-        for request in requests:
-            request.end(error)
+        end_all(requests, error)
         self.calls.fail(error)
 
     def _gather(self) -> list[EncodeRequest]:
@@ -287,10 +293,7 @@ class EncoderBatcher:
                 self._round(requests)
             except Exception as exc:  # a bug: this round's requests fail, the worker goes on
                 logger.exception("a round of the encoder batcher failed: its requests end")
-                error = ServerError(f"the encoder batcher failed: {exc!r}")
-                with deferred():
-                    for request in requests:
-                        request.end(error)
+                end_all(requests, ServerError(f"the encoder batcher failed: {exc!r}"))
         self._fail_waiting()
 
     def _round(self, requests: list[EncodeRequest]) -> None:
@@ -302,9 +305,7 @@ class EncoderBatcher:
             with deferred():  # the event loops are woken once per batch
                 self._run(batch)
         if self.closed is not None:
-            with deferred():
-                for request in requests:
-                    request.end(self.closed)
+            end_all(requests, self.closed)
 
     def _run(self, batch: list[tuple[EncodeRequest, int]]) -> None:
         self._count(batch)

@@ -83,8 +83,6 @@ class LoraAdapters:
         """The LoRA layers that add the per-token adapters' outputs."""
         self.token_groups: dict[str, torch.Tensor] | None = None
         """While a forward by token runs: each adapter's token indices (flattened)."""
-        self.token_count = 0
-        """The tokens of the forward by token that runs."""
         self.groups: dict[str, torch.Tensor] = {}
         self.grouped_for: list[str] = []
         """The adapter of each token that :attr:`groups` were made for."""
@@ -169,7 +167,7 @@ class LoraAdapters:
                 for name in set(names) - {BASE}
             }
             self.grouped_for = names
-        self.token_groups, self.token_count = self.groups, len(names)
+        self.token_groups = self.groups
         try:
             return self.peft_model(adapter_names=[BASE] * rows, **inputs)
         finally:
@@ -214,18 +212,19 @@ class LoraAdapters:
             return None
         x = args[0] if args else kwargs["x"]
         inputs = x.reshape(-1, x.shape[-1])
-        if inputs.shape[0] != self.token_count:  # e.g. an expert's share of the tokens
+        tokens = len(self.grouped_for)
+        if inputs.shape[0] != tokens:  # e.g. an expert's share of the tokens
             raise ValueError(
                 f"a LoRA layer ({type(layer.base_layer).__name__}) takes {inputs.shape[0]} "
-                f"rows for {self.token_count} tokens: its adapters cannot be mixed by token"
+                f"rows for {tokens} tokens: its adapters cannot be mixed by token"
             )
         outputs = output.reshape(-1, output.shape[-1])  # a view where the output allows it
         for name, index in groups.items():
             if name not in layer.lora_A:
                 continue
             lora_a = layer.lora_A[name]
-            tokens = inputs.index_select(0, index).to(lora_a.weight.dtype)
-            added = layer.lora_B[name](lora_a(layer.lora_dropout[name](tokens)))
+            own = inputs.index_select(0, index).to(lora_a.weight.dtype)
+            added = layer.lora_B[name](lora_a(layer.lora_dropout[name](own)))
             outputs.index_add_(0, index, (added * layer.scaling[name]).to(outputs.dtype))
         return outputs.view(output.shape)
 

@@ -31,7 +31,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,8 @@ from .adapters import LoraAdapters, row_adapter
 from .kv_cache import MixedColumns, PartColumns, ReservedCache, full_attention_layers
 from .ragged import MIXED, MixedAttention, agree, enable_mixed_steps
 from .step_graphs import StepGraphs
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -359,14 +361,12 @@ class CausalLMBatch(DecodeBatch):
         self.mask = mask
         lengths = to_device([len(p) for p in prompts], self.device, torch.long)
         if any(count != 1 for count in rows):
-            order = [prompt for prompt, count in enumerate(rows) for _ in range(count)]
+            order = _repeated(range(len(rows)), rows)
             self._repeat(order)
             index = to_device(order, self.device, torch.long)
             logits = logits.index_select(0, index)
             lengths = lengths.index_select(0, index)
-            self.adapters = [
-                name for name, count in zip(names, rows, strict=True) for _ in range(count)
-            ]
+            self.adapters = _repeated(names, rows)
         self.positions = lengths
         return logits, every
 
@@ -543,8 +543,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
                 if self.lora is None:
                     output = self.model(**inputs)
                 else:
-                    each = [*self.adapters, *_per_token(names, lengths)]
-                    each += _per_token(part_names, [len(part.ids) for part in parts])
+                    each = [*self.adapters, *_repeated(names, lengths)]
+                    each += _repeated(part_names, [len(part.ids) for part in parts])
                     output = self.lora.forward_tokens(each, **inputs)
         except BaseException:
             cache.close_rows(rows)
@@ -565,14 +565,12 @@ class ReservedCausalLMBatch(CausalLMBatch):
         logits, of_parts = logits[:joined], logits[joined:]
         copies = list(copies) if copies is not None else [1] * len(prompts)
         if any(count != 1 for count in copies):
-            index = list(range(rows)) + [
-                row for row, count in enumerate(copies, start=rows) for _ in range(count)
-            ]
+            index = list(range(rows)) + _repeated(range(rows, rows + len(copies)), copies)
             cache.select_rows(index)
             repeat = to_device(index, self.device, torch.long)
             self.positions = self.positions.index_select(0, repeat)
             logits = logits.index_select(0, repeat)
-        self.adapters = self.adapters + _per_token(names, copies)
+        self.adapters = self.adapters + _repeated(names, copies)
         return torch.cat([logits, of_parts]) if parts else logits
 
     def _part_cache(self, part: PromptPart) -> ReservedCache:
@@ -785,6 +783,6 @@ class Seq2SeqBatch(DecodeBatch):
         self.encoded = self.encoded.index_select(0, index)
 
 
-def _per_token(names: Sequence[str], counts: Sequence[int]) -> list[str]:
-    """Each name repeated its count of times, in order."""
-    return [name for name, count in zip(names, counts, strict=True) for _ in range(count)]
+def _repeated(items: Sequence[T], counts: Sequence[int]) -> list[T]:
+    """Each item repeated its count of times, in order."""
+    return [item for item, count in zip(items, counts, strict=True) for _ in range(count)]

@@ -309,17 +309,23 @@ class ContinuousBatcher:
         """After a turn raised what no step caught (a bug, not a request's failure): every
         request it admitted, running or fed in parts ends with a 500 naming it, and their
         batches are let go, so that no request waits for ever and later ones are served."""
-        error = ServerError(f"the decode loop failed: {exc!r}")
+        with deferred():
+            self._end_in_flight(ServerError(f"the decode loop failed: {exc!r}"), admitted)
+
+    def _end_in_flight(
+        self, error: ServerError, admitted: list[DecodeRequest] | None = None
+    ) -> None:
+        """Every running request, every one fed in parts and the ``admitted`` ones end with
+        ``error``; their batches (their KV caches) are let go."""
         requests = [
-            *admitted,
+            *(admitted or []),
             *(owner for group in self.running for owner in group.owners),
             *(part.request for part in self.prefilling),
         ]
         self.running.clear()
         self.prefilling.clear()
-        with deferred():
-            for request in dict.fromkeys(requests):
-                self._end(request, error)
+        for request in dict.fromkeys(requests):
+            self._end(request, error)
 
     def _catch_up(self) -> None:
         """Read the steps queued ahead, queueing nothing after them."""
@@ -336,12 +342,7 @@ class ContinuousBatcher:
         with deferred():
             for request in waiting:
                 request.emit(self.stopped)
-            for request in dict.fromkeys(o for g in self.running for o in g.owners):
-                self._end(request, self.stopped)
-            for part in self.prefilling:
-                self._end(part.request, self.stopped)
-        self.running.clear()
-        self.prefilling.clear()
+            self._end_in_flight(self.stopped)
         self.calls.fail(self.stopped)
 
     def _admit(self) -> list[DecodeRequest]:

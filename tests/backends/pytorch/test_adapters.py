@@ -85,7 +85,7 @@ def forward_adapters(lora: LoraAdapters, adapter_names: list[str]) -> list[str]:
     token (PEFT's rows all :data:`BASE`, the hooks adding each adapter) each token's."""
     if lora.token_groups is None:
         return adapter_names
-    names = [BASE] * lora.token_count
+    names = [BASE] * len(lora.grouped_for)
     for name, index in lora.token_groups.items():
         for i in index.tolist():
             names[i] = name
