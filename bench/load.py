@@ -12,6 +12,7 @@ import aiohttp
 
 from .health import HealthProber, Probes
 from .routes import Call, Sample
+from .server import Server, cpu_seconds
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -108,4 +109,13 @@ def run_load(
         probes = prober.end() if prober is not None else Probes()
     result = LoadResult(concurrency, elapsed, samples, probes)
     result.client_cpu_s = time.process_time() - client_cpu
+    return result
+
+
+def run_streamed(call: Call, concurrency: int, budget: Budget, running: Server) -> LoadResult:
+    """:func:`run_load` on a running server, no prober, with the server's CPU seconds over the
+    run (:attr:`LoadResult.server_cpu_s`)."""
+    cpu = cpu_seconds(running.process.pid)
+    result = run_load(call, concurrency, budget, None, running.http_port)
+    result.server_cpu_s = cpu_seconds(running.process.pid) - cpu
     return result

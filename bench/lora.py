@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from . import routes, server, texts
-from .load import Budget, LoadResult, run_load
+from .load import Budget, LoadResult, run_load, run_streamed
 from .report import streamed_row, table
 from .routes import Call
 from .targets import Target
@@ -142,9 +142,7 @@ def measure(model_dir: Path, settings: Settings, cache: Path, log_dir: Path) -> 
             run_load(call, 1, Budget(requests=len(calls)), None, running.http_port)  # warm-up
             for round_ in range(settings.repeats):
                 budget = Budget(requests=settings.generation_requests(CONCURRENCY))
-                cpu = server.cpu_seconds(running.process.pid)
-                run = run_load(call, CONCURRENCY, budget, None, running.http_port)
-                run.server_cpu_s = server.cpu_seconds(running.process.pid) - cpu
+                run = run_streamed(call, CONCURRENCY, budget, running)
                 result.runs.setdefault(mode, []).append(run)
                 logger.info(
                     "  %s, %s, c=%d, round %d: %.0f tokens/s, %d errors",

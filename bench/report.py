@@ -3,9 +3,11 @@ per workload (raw ceiling, then the server per mode and concurrency)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import texts
@@ -17,6 +19,8 @@ from .stats import Spread, percentile
 from .summary import RunSummary, summarize
 from .targets import Target
 from .workloads import Settings
+
+logger = logging.getLogger(__name__)
 
 ENCODER_COLUMNS = (
     "configuration",
@@ -66,6 +70,34 @@ def triple(values: Sequence[float]) -> str:
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+@dataclass
+class StreamedModes:
+    """Rounds of streamed completions by (mode, concurrency), the first mode each
+    concurrency's yardstick (the structured-output and ``--torch_compile`` workloads)."""
+
+    settings: Settings
+    runs: dict[tuple[str, int], list[LoadResult]] = field(default_factory=dict)
+
+    def add(self, key: str, mode: str, concurrency: int, round_: int, run: LoadResult) -> None:
+        """Keep round ``round_``'s run (from 0), and log it under the workload's ``key``."""
+        self.runs.setdefault((mode, concurrency), []).append(run)
+        logger.info(
+            "  %s, %s, c=%d, round %d: %.0f tokens/s, %d errors",
+            key, mode, concurrency, round_ + 1, run.tokens_per_s, len(run.errors),
+        )  # fmt: skip
+
+    def rate(self, mode: str, concurrency: int) -> float:
+        return statistics.median(run.tokens_per_s for run in self.runs[(mode, concurrency)])
+
+    def rows(self, modes: Sequence[str], concurrencies: Sequence[int]) -> list[list[str]]:
+        """:func:`streamed_row` of each mode at each concurrency, against the first mode."""
+        return [
+            streamed_row(mode, c, self.runs[(mode, c)], self.rate(modes[0], c))
+            for c in concurrencies
+            for mode in modes
+        ]
 
 
 def streamed_row(label: str, concurrency: int, runs: list[LoadResult], base: float) -> list[str]:

@@ -9,19 +9,14 @@ costs a decode step, not a shorter answer.
 
 from __future__ import annotations
 
-import logging
-import statistics
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import routes, server, texts
-from .load import Budget, LoadResult, run_load
-from .report import streamed_row, table
+from .load import Budget, run_load, run_streamed
+from .report import StreamedModes, table
 from .targets import Target
 from .workloads import MAX_TOKENS, Settings
-
-logger = logging.getLogger(__name__)
 
 KEY = "structured"
 MODEL_NAME = "llm"
@@ -36,23 +31,12 @@ COLUMNS = ("request", "C", "tokens/s (median [min–max])", "of unconstrained", 
            "TTFT p50 / p95 / p99 ms", "errors", "CPU server / client")  # fmt: skip
 
 
-@dataclass
-class StructuredResult:
-    settings: Settings
-    runs: dict[tuple[str, int], list[LoadResult]] = field(default_factory=dict)
-
-    def rate(self, mode: str, concurrency: int) -> float:
-        return statistics.median(run.tokens_per_s for run in self.runs[(mode, concurrency)])
-
+class StructuredResult(StreamedModes):
     def targets(self) -> list[Target]:
         return []  # a measured cost, reported; no target set for it
 
     def section(self) -> list[str]:
-        rows = []
-        for concurrency in CONCURRENCY:
-            base = self.rate("unconstrained", concurrency)
-            for mode in MODES:
-                rows.append(streamed_row(mode, concurrency, self.runs[(mode, concurrency)], base))
+        rows = self.rows(list(MODES), CONCURRENCY)
         return [
             "## Structured output: a JSON-schema request beside an unconstrained one",
             "",
@@ -86,12 +70,6 @@ def measure(model_dir: Path, settings: Settings, log_dir: Path) -> StructuredRes
                         running.url, MODEL_NAME, texts.prompts(), MAX_TOKENS, extra=extra
                     )
                     budget = Budget(requests=settings.generation_requests(concurrency))
-                    cpu = server.cpu_seconds(running.process.pid)
-                    run = run_load(call, concurrency, budget, None, running.http_port)
-                    run.server_cpu_s = server.cpu_seconds(running.process.pid) - cpu
-                    result.runs.setdefault((mode, concurrency), []).append(run)
-                    logger.info(
-                        "  %s, %s, c=%d, round %d: %.0f tokens/s, %d errors",
-                        KEY, mode, concurrency, round_ + 1, run.tokens_per_s, len(run.errors),
-                    )  # fmt: skip
+                    run = run_streamed(call, concurrency, budget, running)
+                    result.add(KEY, mode, concurrency, round_, run)
     return result

@@ -168,6 +168,12 @@ def _lora(context: Context) -> Outcome:
     return lora.measure(context.models.llama, context.settings, context.cache, context.log_dir)
 
 
+def _torch_compile(context: Context) -> Outcome:
+    from . import torch_compile
+
+    return torch_compile.measure(context.models.llama, context.settings, context.log_dir)
+
+
 def _vllm_unavailable() -> str | None:
     from .vllm_tier import unavailable
 
@@ -253,6 +259,7 @@ SUITES = (
     Suite("vllm", "cpu", _vllm, _vllm_unavailable),
     Suite("structured", "cpu", _structured),
     Suite("lora", "cpu", _lora),
+    Suite("torch_compile", "cpu", _torch_compile),
     Suite("peers", "cpu", _peers, _peers_unavailable),
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),

@@ -135,6 +135,14 @@ def check_choice(config: ServerConfig, choice: BackendChoice) -> None:
             "ignored with the transformers backend (vLLM engine flags): %s",
             " ".join(f"--{name}" for name in ignored),
         )
+    if config.torch_compile and choice.name != "huggingface":
+        logger.warning(
+            "--torch_compile compiles the transformers backend's decode steps; ignored on %s "
+            "(%s)%s",
+            choice.name,
+            choice.reason,
+            ", which compiles its own model" if choice.name == "vllm" else "",
+        )
     if config.quantize and choice.name != "onnx":
         raise StartupError(
             f"--quantize {config.quantize} quantises the ONNX Runtime backend's export; the "

@@ -284,11 +284,24 @@ class ServerConfig:
     this many tokens, one part per turn of the decode loop, so that the rows already decoding
     keep stepping between the parts instead of waiting for the whole prompt."""
     enforce_eager: bool = option(
-        False, "generation on a GPU: run decode steps eagerly, not as CUDA graphs"
+        False,
+        "generation on a GPU: run decode steps eagerly, not as CUDA graphs",
+        exclusive="steps",
     )
     """The transformers backend on a GPU replays decode steps as CUDA graphs recorded per
     batch-size bucket (:mod:`.backends.pytorch.step_graphs`), as vLLM does; this runs them
     eagerly, on both backends (vLLM gets its ``--enforce-eager``). No effect on a CPU."""
+    torch_compile: bool = option(
+        False,
+        "generation on the transformers backend: decode steps compiled with torch.compile "
+        "(inside the CUDA graphs on a GPU), compiled at start-up",
+        exclusive="steps",
+    )
+    """Each batch-size bucket's decode step goes through ``torch.compile`` (inductor) before
+    it is recorded as a CUDA graph (:mod:`.backends.pytorch.step_graphs`), as vLLM compiles its
+    model; on a CPU the compiled step runs over the whole KV cache buffers. Off by default: on
+    a CPU it does not pay (BENCHMARKS.md), and the compiles add to the start-up. vLLM compiles
+    its own model unless ``--enforce_eager``; with it, this is refused."""
     enable_runtime_lora: bool = option(
         False, "LoRA adapters loaded and unloaded at run time (with --lora_adapter_dir)"
     )

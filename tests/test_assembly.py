@@ -1,5 +1,6 @@
 """Which vLLM engine flags the transformers backend reports as ignored: not those it honours
-too (LoRA adapters, ``--async-scheduling`` and its negation)."""
+too (LoRA adapters, ``--async-scheduling`` and its negation); ``--torch_compile`` reported as
+ignored by the other backends."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def test_the_transformers_backend_names_only_the_engine_flags_it_ignores(caplog,
         logger.removeHandler(caplog.handler)
     (line,) = {record.getMessage() for record in caplog.records}
     assert line == "ignored with the transformers backend (vLLM engine flags): --max-num-seqs"
+
+
+@pytest.mark.parametrize("backend", ["vllm", "onnx"])
+def test_torch_compile_is_named_ignored_on_other_backends(caplog, backend):
+    config = parse_args(["--model_dir", "/models/llama", "--torch_compile"])
+    logger = logging.getLogger("huggingfaceserver.assembly")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="huggingfaceserver.assembly"):
+            check_choice(config, BackendChoice(backend, "a test"))
+            check_choice(config, BackendChoice("huggingface", "a test"))
+    finally:
+        logger.removeHandler(caplog.handler)
+    (line,) = {record.getMessage() for record in caplog.records}
+    assert line.startswith(
+        f"--torch_compile compiles the transformers backend's decode steps; "
+        f"ignored on {backend} (a test)"
+    )

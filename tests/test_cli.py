@@ -90,6 +90,7 @@ OWN_FLAGS = {
     "batch_wait_ms": ("5", 5.0),
     "prefill_chunk_tokens": ("64", 64),
     "enforce_eager": (None, True),
+    "torch_compile": (None, True),
     "enable_runtime_lora": (None, True),
     "lora_adapter_dir": ("/adapters", "/adapters"),
     "api_workers": ("3", 3),
@@ -323,6 +324,15 @@ def test_probabilities_and_raw_logits_are_exclusive(capsys):
     error = usage_error(capsys)
     assert "--return_probabilities" in error
     assert "--return_raw_logits" in error
+
+
+def test_torch_compile_and_enforce_eager_are_exclusive(capsys):
+    """One compiles the decode steps, the other runs them eagerly."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--enforce-eager", "--torch_compile"])
+    assert exit_info.value.code == 2
+    error = usage_error(capsys)
+    assert "--torch_compile" in error and "--enforce_eager" in error
 
 
 def test_unknown_flag_exits_2_naming_it(capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -49,7 +50,7 @@ from .decode_batch import (
 from .decode_loop import ContinuousBatcher, DecodeRequest
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
-from .step_graphs import StepGraphs, cuda_graph
+from .step_graphs import StepGraphs, cuda_graph, eager, torch_compiled
 from .threads import (
     CALIBRATION_SHAPE,
     TunedLoopThreads,
@@ -111,14 +112,23 @@ def steps_ahead(async_scheduling: bool | None, device_type: str) -> bool:
     return device_type == "cuda" if async_scheduling is None else async_scheduling
 
 
-def records_steps(ready_masks: bool, device_type: str, enforce_eager: bool, lora: bool) -> bool:
-    """Whether decode steps are recorded as CUDA graphs: on a GPU, unless ``--enforce_eager``,
-    for a model that takes a ready mask (a reserved cache), never with LoRA adapters (each
-    row's adapter is chosen in Python at every step, outside what a graph records)."""
-    graphed = ready_masks and device_type == "cuda" and not enforce_eager
+def records_steps(
+    ready_masks: bool, device_type: str, enforce_eager: bool, lora: bool, compiles: bool = False
+) -> bool:
+    """Whether decode steps are recorded per bucket (:class:`StepGraphs`): as CUDA graphs on a
+    GPU unless ``--enforce_eager``, and compiled wherever ``--torch_compile`` (``compiles``) is
+    given (on a CPU, run eagerly from there), for a model that takes a ready mask (a reserved
+    cache), never with LoRA adapters (each row's adapter is chosen in Python at every step,
+    outside what a graph records)."""
+    graphed = ready_masks and (device_type == "cuda" or compiles) and not enforce_eager
     if graphed and lora:
         logger.info("no CUDA graphs: each row's LoRA adapter is chosen in Python per step")
     return graphed and not lora
+
+
+NARROW, WIDE = 8, 40
+"""Prompt tokens of :meth:`TransformersGenerator.compile_steps`' warm-up batches: KV caches of
+two widths, so that the column capacity, like the rows, has changed before serving does."""
 
 
 class TransformersGenerator(GenerationBackend):
@@ -182,11 +192,24 @@ class TransformersGenerator(GenerationBackend):
         """Whether decode steps feed new prompts in their forward (:mod:`.ragged`)."""
         if self.mixes:
             logger.info("new prompts are fed in the running rows' decode steps")
+        compiles = self.config.torch_compile
         graphed = records_steps(
-            self.ready_masks, self.device.type, self.config.enforce_eager, self.lora is not None
+            self.ready_masks,
+            self.device.type,
+            self.config.enforce_eager,
+            self.lora is not None,
+            compiles,
         )
-        self.graphs = StepGraphs(self.max_rows, cuda_graph) if graphed else None
-        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA)."""
+        if compiles and not graphed:
+            logger.warning(
+                "--torch_compile: decode steps run uncompiled (%s)",
+                "LoRA adapters" if self.ready_masks else "no reserved KV cache for this model",
+            )
+        record = cuda_graph if self.device.type == "cuda" else eager
+        compile = torch_compiled() if compiles else None
+        self.graphs = StepGraphs(self.max_rows, record, compile) if graphed else None
+        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA),
+        compiled first with ``--torch_compile`` (on a CPU too)."""
         self.batcher = ContinuousBatcher(
             self.new_batch,
             self.max_rows,
@@ -213,15 +236,51 @@ class TransformersGenerator(GenerationBackend):
         prefill-shaped forward, which threads speed up far more, kept 2 threads for a model
         whose decode steps they did not speed up at all. That is where the loop starts; while
         it serves, its decode steps (by rows) and prefills (by prompt tokens) are timed on both
-        counts again now and then (:class:`TunedLoopThreads`)."""
-        if self.device.type != "cpu":
-            return
-        decision = self.batcher.run_on_loop(
-            lambda: calibrate_cpu_threads(self._calibration_forward())
+        counts again now and then (:class:`TunedLoopThreads`).
+
+        With ``--torch_compile`` the decode steps are compiled after (:meth:`compile_steps`),
+        and on CPU the threads stay as the calibration left them: a step is compiled for one
+        thread count, and another one compiles it again."""
+        compiles = self.graphs is not None and self.graphs.compile is not None
+        if self.device.type == "cpu":
+            decision = self.batcher.run_on_loop(
+                lambda: calibrate_cpu_threads(self._calibration_forward())
+            )
+            logger.info("intra-op threads: %s", decision)
+            if decision.tuned and compiles:
+                self.batcher.run_on_loop(partial(torch.set_num_threads, decision.threads))
+            elif decision.tuned:
+                self.batcher.threads = TunedLoopThreads(decision)
+        if compiles:
+            self.batcher.run_on_loop(self.compile_steps)
+
+    def compile_steps(self) -> None:
+        """Compile the decode steps before serving (on the decode thread), so that the
+        compiles a new shape costs are paid here, not by the first requests. A size compiled
+        once is specialised; its first change makes it symbolic; a size of one is a case apart
+        (torch's rules). So: a batch of the largest bucket's rows over a narrow cache steps in
+        that bucket and the next one down; a batch of the next bucket's rows over a wider
+        cache steps in that bucket and in one row (rows dropped between steps); a batch of
+        one row steps in its own cache, one row deep. The batches are dropped; the graphs
+        recorded over their caches are recorded again over the first batch that serves."""
+        graphs = self.graphs
+        assert graphs is not None
+        largest = graphs.sizes[-1]
+        below = graphs.sizes[-2] if len(graphs.sizes) > 1 else largest
+        plan = ((NARROW, (largest, below)), (WIDE, (below, 1)), (NARROW, (1,)))
+        started = time.perf_counter()
+        for tokens, steps in plan:
+            batch = self.new_batch()
+            with torch.inference_mode():
+                batch.prefill([0] * min(tokens, self.max_model_len - 1), steps[0])
+                for rows in dict.fromkeys(steps):
+                    batch.keep(list(range(rows)))
+                    batch.step(torch.zeros(rows, dtype=torch.long, device=self.device))
+        logger.info(
+            "decode steps compiled in %.1f s%s",
+            time.perf_counter() - started,
+            f" (failed: {graphs.uncompiled}; they run uncompiled)" if graphs.uncompiled else "",
         )
-        logger.info("intra-op threads: %s", decision)
-        if decision.tuned:
-            self.batcher.threads = TunedLoopThreads(decision)
 
     def _calibration_forward(self) -> Callable[[], object]:
         """The forward pass the thread calibration times (made on the decode thread)."""
@@ -248,7 +307,7 @@ class TransformersGenerator(GenerationBackend):
 
         def decode_step() -> None:
             with torch.inference_mode():
-                batch.step(step)
+                batch.step(step, graphed=False)  # not compiled on every thread count
 
         return decode_step
 

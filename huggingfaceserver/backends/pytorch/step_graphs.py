@@ -19,6 +19,17 @@ step) the steps run eagerly from then on, the reason logged once.
 Off on a CPU, where launching a kernel costs no more than running it. The recording is a
 function given to :class:`StepGraphs`: :func:`cuda_graph` on a GPU, :func:`eager` in the tests,
 which then run the same padded, whole-buffer forward step by step on any machine.
+
+With ``--torch_compile`` each bucket's forward goes through ``torch.compile`` first
+(:func:`torch_compiled`) and the compiled forward is what is recorded, as vLLM records its
+compiled model: the graph then replays inductor's fused kernels instead of the eager ones. The
+compiler runs at the forward's first call, made before the recording (a compile is not a
+kernel a graph can hold); its cache is the forward's code, so a bucket or a cache seen before
+is compiled again only where its guards fail (the first other bucket size turns the sizes that
+differ symbolic: a handful of compiles in all, made at start-up by
+:meth:`~.generator.TransformersGenerator.tune`). Where compiling fails the forwards are recorded
+uncompiled from then on, the reason logged once. On a CPU it runs the compiled forward over the
+whole buffers (no graph).
 """
 
 from __future__ import annotations
@@ -39,6 +50,9 @@ Forward = Callable[[], torch.Tensor]
 Record = Callable[[Forward], Forward]
 """Makes a forward replayable: the replay runs it again on the inputs' current values. It may
 run the forward while recording (its writes are the step's own: replaying repeats them)."""
+Compile = Callable[[Forward], Forward]
+"""Compiles a forward (:func:`torch_compiled`): the compiled one computes the same, lazily
+compiled at its first call."""
 
 
 def bucket_sizes(max_rows: int) -> tuple[int, ...]:
@@ -79,6 +93,17 @@ def cuda_graph(forward: Forward) -> Forward:
         return output
 
     return replay
+
+
+def torch_compiled(backend: str | Callable[..., object] = "inductor") -> Compile:
+    """``torch.compile`` with ``backend`` (inductor; the tests give a backend of their own, which
+    sees every graph compiled). Shapes go symbolic only once they change (torch's default)."""
+
+    def compile(forward: Forward) -> Forward:
+        compiled: Forward = torch.compile(forward, backend=backend)
+        return compiled
+
+    return compile
 
 
 @dataclass
@@ -122,9 +147,13 @@ class GraphedBatch(Protocol):
 class StepGraphs:
     """The recorded decode steps of one model's reserved batches (used on the decode thread)."""
 
-    def __init__(self, max_rows: int, record: Record):
+    def __init__(self, max_rows: int, record: Record, compile: Compile | None = None):
         self.sizes = bucket_sizes(max_rows)
         self.record = record
+        self.compile = compile
+        """Where given, each bucket's forward is compiled before it is recorded."""
+        self.uncompiled: str | None = None
+        """Why compiling failed: the forwards are recorded uncompiled."""
         self.replays: dict[int, Forward] = {}
         self.inputs: dict[int, StepInputs] = {}
         self.over: tuple[ReservedCache, int] | None = None
@@ -187,7 +216,7 @@ class StepGraphs:
                 return batch.forward_whole(inputs.ids, inputs.positions, inputs.mask)
 
         try:
-            replay = self.record(forward)
+            replay = self.record(self._compiled(forward))
         except Exception as exc:  # noqa: BLE001 - any failure to record means: run eagerly
             self.broken = f"{type(exc).__name__}: {exc}"
             self.replays.clear()
@@ -196,3 +225,17 @@ class StepGraphs:
         self.recordings += 1
         self.replays[size] = replay
         return replay
+
+    def _compiled(self, forward: Forward) -> Forward:
+        """The forward compiled (where :attr:`compile` is given), the compiler run by one call
+        of it here, before any recording (its writes are the step's own); else itself."""
+        if self.compile is None or self.uncompiled is not None:
+            return forward
+        try:
+            compiled = self.compile(forward)
+            compiled()
+        except Exception as exc:  # noqa: BLE001 - any failure to compile means: record it as is
+            self.uncompiled = f"{type(exc).__name__}: {exc}"
+            logger.warning("decode steps run uncompiled: torch.compile failed: %s", exc)
+            return forward
+        return compiled

@@ -435,6 +435,10 @@ def test_no_cuda_graphs_are_recorded_with_adapters() -> None:
     assert not records_steps(True, "cuda", True, lora=False)
     assert not records_steps(False, "cuda", False, lora=False)
     assert not records_steps(True, "cpu", False, lora=False)
+    # --torch_compile records (compiles) the steps on a CPU too, never with adapters
+    assert records_steps(True, "cpu", False, lora=False, compiles=True)
+    assert not records_steps(True, "cpu", False, lora=True, compiles=True)
+    assert not records_steps(False, "cpu", False, lora=False, compiles=True)
 
 
 def test_an_adapter_server_has_no_graphs_and_refuses_them(served) -> None:

@@ -8,8 +8,9 @@ CUDA graph itself is checked where a GPU is (``gpu``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -24,10 +25,20 @@ from huggingfaceserver.backends.pytorch.step_graphs import (
     bucket_sizes,
     cuda_graph,
     eager,
+    torch_compiled,
 )
+from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.observability.syncs import SyncCounter
 
-from .generation_helpers import PROMPTS, prompt
+from .generation_helpers import (
+    MAX_TOKENS,
+    PROMPTS,
+    Choice,
+    load,
+    prompt,
+    reference_greedy,
+    run,
+)
 
 TEXTS = [*PROMPTS, "One two three four five six", "Why?", "The quick brown fox jumps over"]
 
@@ -62,6 +73,35 @@ class Counting:
         return forward
 
 
+@pytest.fixture
+def fresh_compiles() -> Iterator[None]:
+    """torch's compile caches emptied around the test (``torch.compiler.reset``): a step's
+    forward is one function whose compiles add up across the tests of a process, against
+    torch's limit of recompiles per function (past which it runs uncompiled)."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+class CountingCompiler:
+    """A ``torch.compile`` backend (torch's custom-backend interface): keeps each graph that
+    dynamo traced and runs it as traced (no inductor: seconds, not minutes, on a CPU), counting
+    its runs, so that a test sees what was compiled and that the compiled step ran."""
+
+    def __init__(self) -> None:
+        self.compiled: list[torch.fx.GraphModule] = []
+        self.runs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        self.compiled.append(graph)
+
+        def run(*args: torch.Tensor):
+            self.runs += 1
+            return graph.forward(*args)
+
+        return run
+
+
 def batch_pair(backend, graphs: StepGraphs, max_rows: int = 8):
     """The same rows in a graphed batch and a plain one."""
 
@@ -83,14 +123,22 @@ def step_both(graphed, plain, step: int, vocab: int) -> None:
     torch.testing.assert_close(graphed.step(column), plain.step(column), **TOLERANCE)
 
 
+@pytest.mark.usefixtures("fresh_compiles")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_graphed_steps_equal_eager_ones_as_rows_join_and_leave(backends, name: str) -> None:
+def test_graphed_steps_equal_eager_ones_as_rows_join_and_leave(
+    backends, name: str, compiled: bool
+) -> None:
     """Rows join (3, then 6: buckets 4 and 8, padded), leave (2 left: bucket 2), and the
     buffers grow on the way: every step's logits equal the plain batch's, and a graph is
-    recorded once per bucket and buffers, not per step."""
+    recorded once per bucket and buffers, not per step. ``compiled`` (``--torch_compile``):
+    each bucket's forward goes through ``torch.compile`` before it is recorded: every step
+    ran the compiled graph, and the compiler ran a handful of times (a size that changes goes
+    symbolic), not per bucket and buffers."""
     backend = backends(name)
     recording = Counting()
-    graphs = StepGraphs(8, recording)
+    compiler = CountingCompiler()
+    graphs = StepGraphs(8, recording, torch_compiled(compiler) if compiled else None)
     graphed, plain = batch_pair(backend, graphs)
     vocab = backend.vocab_size
     with torch.inference_mode():
@@ -124,6 +172,13 @@ def test_graphed_steps_equal_eager_ones_as_rows_join_and_leave(backends, name: s
     assert graphs.replayed == 20  # every step
     assert recording.recorded <= 12  # 3 buckets, over a few layouts of the buffers
     assert graphed.cache.layout >= 2  # the buffers did grow while graphs were recorded
+    if compiled:
+        # each recording ran its compiled forward once before (the compile), then each
+        # replay; a graph break would only make more runs per step
+        assert compiler.runs >= graphs.replayed + recording.recorded
+        assert 1 <= len(compiler.compiled) <= 4 and graphs.uncompiled is None
+    else:
+        assert not compiler.compiled
 
 
 def test_the_rows_padding_a_bucket_attend_to_every_column(backends) -> None:
@@ -236,6 +291,100 @@ def test_a_batch_past_the_largest_bucket_runs_eagerly(backends) -> None:
     assert recording.recorded == 0 and graphs.broken is None
 
 
+@pytest.mark.usefixtures("fresh_compiles")
+def test_a_compile_that_fails_leaves_the_steps_recorded_uncompiled(backends, caplog) -> None:
+    backend = backends("llama")
+    tries = []
+
+    def failing(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        tries.append(graph)
+        raise RuntimeError("no C++ compiler")
+
+    recording = Counting()
+    graphs = StepGraphs(8, recording, torch_compiled(failing))
+    graphed, plain = batch_pair(backend, graphs)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        ids = prompt(backend, PROMPTS[0])
+        for batch in (graphed, plain):
+            batch.prefill(ids, 2)
+        for step in range(3):
+            step_both(graphed, plain, step, backend.vocab_size)
+        for batch in (graphed, plain):  # a new bucket: recorded, not compiled again
+            assert batch.absorb(joining(backend, PROMPTS[1], 2))
+        for step in range(3, 6):
+            step_both(graphed, plain, step, backend.vocab_size)
+    assert len(tries) == 1
+    assert graphs.uncompiled is not None and "no C++ compiler" in graphs.uncompiled
+    assert graphs.broken is None and graphs.replayed == 6 and recording.recorded >= 2
+    warnings = [r.getMessage() for r in caplog.records if "uncompiled" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+
+
+@pytest.mark.usefixtures("fresh_compiles")
+async def test_torch_compile_serves_what_transformers_generates(tiny_models) -> None:
+    """The flag end to end on a CPU, with torch's own compiler (inductor): compiled at
+    start-up, then greedy tokens equal ``model.generate``'s, from the compiled steps."""
+    backend = load(tiny_models["llama"], "--torch_compile", "--max_batch_size", "4")
+    try:
+        graphs = backend.graphs
+        assert graphs is not None and graphs.compile is not None
+        backend.tune()
+        assert graphs.uncompiled is None and graphs.broken is None and graphs.recordings >= 3
+        ids = [prompt(backend, text) for text in PROMPTS[:3]]
+        expected = [reference_greedy(backend, one, MAX_TOKENS) for one in ids]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        replayed = graphs.replayed
+        got = await asyncio.gather(*(run(backend, one, params) for one in ids))
+        assert [choice.token_ids for (choice,) in got] == expected
+        assert graphs.replayed - replayed >= MAX_TOKENS - 1 and graphs.uncompiled is None
+    finally:
+        backend.shutdown()
+
+
+@pytest.mark.usefixtures("fresh_compiles")
+async def test_steps_are_compiled_at_start_up_not_while_serving(tiny_models) -> None:
+    """Start-up compiles the steps (the largest bucket, the next, one row, over two cache
+    widths); then requests of every bucket size, joining and leaving, over caches that grow,
+    compile nothing more, and every step runs compiled."""
+    backend = load(tiny_models["llama"], "--torch_compile", "--max_batch_size", "8")
+    compiler = CountingCompiler()
+    try:
+        graphs = backend.graphs
+        assert graphs is not None
+        graphs.compile = torch_compiled(compiler)  # the same compiles, traced only
+        backend.tune()
+        at_start = len(compiler.compiled)
+        assert 1 <= at_start <= 6
+        texts = [" ".join(TEXTS[: i + 1]) for i in range(len(TEXTS))]
+        lengths = (3, 40, 7, 25, 12, 60, 5, 33)
+
+        async def one(text: str, tokens: int) -> list[Choice]:
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            return await run(backend, prompt(backend, text), params)
+
+        replayed, runs = graphs.replayed, compiler.runs
+        await asyncio.gather(*(one(t, n) for t, n in zip(texts * 2, lengths, strict=False)))
+        await one(TEXTS[0], 20)  # alone: one row
+        assert len(compiler.compiled) == at_start, "serving compiled a step again"
+        # steps that feed a prompt run eagerly (their shapes change with every prompt)
+        assert graphs.replayed - replayed >= 60 - 8
+        assert compiler.runs - runs >= graphs.replayed - replayed
+        assert graphs.uncompiled is None and graphs.broken is None
+    finally:
+        backend.shutdown()
+
+
+def test_torch_compile_on_a_model_without_graphs_says_so(tiny_models, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        backend = load(tiny_models["t5"], "--torch_compile")
+    try:
+        assert backend.graphs is None
+    finally:
+        backend.shutdown()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("--torch_compile: decode steps run uncompiled" in line for line in said)
+
+
 def test_a_graphed_step_does_not_wait_for_the_device(backends) -> None:
     """Inputs copied into the recorded ones, the replay, the logits: no read of values (the
     model's own mask check included: the mask comes ready-made)."""
@@ -258,13 +407,16 @@ needs_cuda: Callable[..., object] = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graphs_replay_what_eager_steps_compute(tiny_models) -> None:
-    from .generation_helpers import load
-
+@pytest.mark.usefixtures("fresh_compiles")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_graphs_replay_what_eager_steps_compute(tiny_models, compiled: bool) -> None:
+    """The recorded steps on a GPU; ``compiled`` (``--torch_compile``): inductor's kernels
+    recorded as the CUDA graphs."""
     backend = load(tiny_models["llama"], "--dtype", "float32")
     try:
         assert backend.device.type == "cuda" and backend.graphs is not None
-        graphed, plain = batch_pair(backend, StepGraphs(8, cuda_graph))
+        graphs = StepGraphs(8, cuda_graph, torch_compiled() if compiled else None)
+        graphed, plain = batch_pair(backend, graphs)
         with torch.inference_mode():
             ids = [prompt(backend, text) for text in TEXTS[:3]]
             for batch in (graphed, plain):
@@ -273,6 +425,6 @@ def test_cuda_graphs_replay_what_eager_steps_compute(tiny_models) -> None:
                 column = tokens(plain, step, backend.vocab_size).to(backend.device)
                 got, want = graphed.step(column), plain.step(column)
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        assert graphed.graphs is not None and graphed.graphs.broken is None
+        assert graphs.uncompiled is None and graphs.broken is None and graphs.recordings >= 1
     finally:
         backend.shutdown()
