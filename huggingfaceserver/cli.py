@@ -300,8 +300,9 @@ class ServerConfig:
     """Each batch-size bucket's decode step goes through ``torch.compile`` (inductor) before
     it is recorded as a CUDA graph (:mod:`.backends.pytorch.step_graphs`), as vLLM compiles its
     model; on a CPU the compiled step runs over the whole KV cache buffers. Off by default: on
-    a CPU it does not pay (BENCHMARKS.md), and the compiles add to the start-up. vLLM compiles
-    its own model unless ``--enforce_eager``; with it, this is refused."""
+    a CPU it does not pay (BENCHMARKS.md), and the compiles add to the start-up (inductor's
+    kernels are kept in the server's cache: :func:`~.__main__.keep_compiled_kernels`). vLLM
+    compiles its own model unless ``--enforce_eager``; with it, this is refused."""
     enable_runtime_lora: bool = option(
         False, "LoRA adapters loaded and unloaded at run time (with --lora_adapter_dir)"
     )

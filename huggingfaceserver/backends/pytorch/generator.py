@@ -206,7 +206,7 @@ class TransformersGenerator(GenerationBackend):
                 "LoRA adapters" if self.ready_masks else "no reserved KV cache for this model",
             )
         record = cuda_graph if self.device.type == "cuda" else eager
-        compile = torch_compiled() if compiles else None
+        compile = torch_compiled() if compiles and graphed else None
         self.graphs = StepGraphs(self.max_rows, record, compile) if graphed else None
         """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA),
         compiled first with ``--torch_compile`` (on a CPU too)."""
