@@ -207,6 +207,12 @@ class TransformersGenerator(GenerationBackend):
             )
         record = cuda_graph if self.device.type == "cuda" else eager
         compile = torch_compiled() if compiles and graphed else None
+        if compile is not None and self.device.type == "cpu":
+            logger.warning(
+                "--torch_compile on a CPU: the compiled decode step runs over the whole KV "
+                "cache buffers, slower than the default steps with many rows (BENCHMARKS.md: "
+                "45%% at 16 streams); it is meant for a GPU's CUDA graphs"
+            )
         self.graphs = StepGraphs(self.max_rows, record, compile) if graphed else None
         """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA),
         compiled first with ``--torch_compile`` (on a CPU too)."""

@@ -321,11 +321,15 @@ def test_a_compile_that_fails_leaves_the_steps_recorded_uncompiled(backends, cap
 
 
 @pytest.mark.usefixtures("fresh_compiles")
-async def test_torch_compile_serves_what_transformers_generates(tiny_models) -> None:
+async def test_torch_compile_serves_what_transformers_generates(tiny_models, caplog) -> None:
     """The flag end to end on a CPU, with torch's own compiler (inductor): compiled at
-    start-up, then greedy tokens equal ``model.generate``'s, from the compiled steps."""
-    backend = load(tiny_models["llama"], "--torch_compile", "--max_batch_size", "4")
+    start-up, then greedy tokens equal ``model.generate``'s, from the compiled steps. On a
+    CPU the log says that it does not pay there."""
+    with caplog.at_level(logging.WARNING):
+        backend = load(tiny_models["llama"], "--torch_compile", "--max_batch_size", "4")
     try:
+        said = [r.getMessage() for r in caplog.records]
+        assert any(line.startswith("--torch_compile on a CPU") for line in said), said
         graphs = backend.graphs
         assert graphs is not None and graphs.compile is not None
         backend.tune()
