@@ -264,16 +264,17 @@ class TransformersGenerator(GenerationBackend):
         """Compile the decode steps before serving (on the decode thread), so that the
         compiles a new shape costs are paid here, not by the first requests. A size compiled
         once is specialised; its first change makes it symbolic; a size of one is a case apart
-        (torch's rules). So: a batch of the largest bucket's rows over a narrow cache steps in
-        that bucket and the next one down; a batch of the next bucket's rows over a wider
-        cache steps in that bucket and in one row (rows dropped between steps); a batch of
-        one row steps in its own cache, one row deep. The batches are dropped; the graphs
-        recorded over their caches are recorded again over the first batch that serves."""
+        (torch's rules; the buffers are never one row deep: :attr:`StepGraphs.least_rows`).
+        So: a batch of the largest bucket's rows over a narrow cache steps in that bucket and
+        the next one down; a batch of the next bucket's rows over a wider cache steps in that
+        bucket and in one row (rows dropped between steps). The batches are dropped; the
+        graphs recorded over their caches are recorded again over the first batch that
+        serves."""
         graphs = self.graphs
         assert graphs is not None
         largest = graphs.sizes[-1]
         below = graphs.sizes[-2] if len(graphs.sizes) > 1 else largest
-        plan = ((NARROW, (largest, below)), (WIDE, (below, 1)), (NARROW, (1,)))
+        plan = ((NARROW, (largest, below)), (WIDE, (below, 1)))
         started = time.perf_counter()
         for tokens, steps in plan:
             batch = self.new_batch()

@@ -152,6 +152,10 @@ class StepGraphs:
         self.record = record
         self.compile = compile
         """Where given, each bucket's forward is compiled before it is recorded."""
+        self.least_rows = self.sizes[min(1, len(self.sizes) - 1)] if compile else 1
+        """The fewest rows the buffers of a recorded step have: a compiled step never sees
+        buffers one row deep (torch compiles a size of one apart, and a lone request would
+        otherwise start one while serving)."""
         self.uncompiled: str | None = None
         """Why compiling failed: the forwards are recorded uncompiled."""
         self.replays: dict[int, Forward] = {}
@@ -177,7 +181,7 @@ class StepGraphs:
         size = bucket_for(cache.rows, self.sizes)
         if self.broken is not None or size is None:
             return None
-        cache.fit_rows(size)
+        cache.fit_rows(max(size, self.least_rows))
         return size
 
     def step(self, batch: GraphedBatch, tokens: torch.Tensor, size: int) -> torch.Tensor | None:
