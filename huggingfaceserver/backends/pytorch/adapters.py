@@ -16,6 +16,9 @@ Rows of several adapters go the same way (each row's tokens with its adapter), w
 adapter's token indices on the device, made once while the rows stay the same: PEFT's mixed
 batches index each LoRA layer's rows with a Python list per adapter, copied to a GPU from
 pageable memory, a wait for the device per adapter and layer in every decode step.
+A recorded decode step (a CUDA graph, :mod:`.step_graphs`) cannot choose rows by index, whose
+count changes with the rows: it runs every such adapter on every row, times a ``[rows, 1]``
+column of 0 and 1 that the graph reads as an input (:meth:`LoraAdapters.forward_masked`).
 Only adapters made of plain LoRA linear layers are mixed by token (:attr:`LoraAdapters.per_token`);
 a batch with another one goes through PEFT's ``adapter_names``, and a prompt of it is packed
 only with rows of its own adapter.
@@ -83,6 +86,9 @@ class LoraAdapters:
         """The LoRA layers that add the per-token adapters' outputs."""
         self.token_groups: dict[str, torch.Tensor] | None = None
         """While a forward by token runs: each adapter's token indices (flattened)."""
+        self.token_masks: dict[str, torch.Tensor] | None = None
+        """While a masked forward runs (:meth:`forward_masked`): each adapter's ``[tokens, 1]``
+        column, 1 on its tokens and 0 elsewhere."""
         self.groups: dict[str, torch.Tensor] = {}
         self.grouped_for: list[str] = []
         """The adapter of each token that :attr:`groups` were made for."""
@@ -130,7 +136,7 @@ class LoraAdapters:
         PEFT's ``adapter_names``."""
         if not self.names:  # none loaded yet, or every one unloaded
             return self.model(**inputs)
-        names = self._served(adapters)
+        names = self.served(adapters)
         if len(set(names)) > 1 and self.packs(names):
             tokens = inputs["input_ids"].shape[1]
             each = [name for name in names for _ in range(tokens)]
@@ -147,13 +153,35 @@ class LoraAdapters:
     def forward_tokens(self, adapters: list[str], **inputs: Any) -> Any:
         """The model's forward, token ``i`` of its inputs (flattened, e.g. one packed batch
         row) with adapter ``adapters[i]``; only where :meth:`packs` them."""
-        names = self._served(adapters)
+        names = self.served(adapters)
         rows = inputs["input_ids"].shape[0]
         if len(set(names)) == 1:  # PEFT's own path: one adapter for every row
             return self.forward([names[0]] * rows, **inputs)
         if not self.packs(names):
             raise ValueError(f"LoRA adapters {sorted(set(names))} cannot share a batch row")
         return self._by_token(names, rows, inputs)
+
+    def masked_names(self) -> tuple[str, ...]:
+        """The adapters a masked forward computes (:meth:`forward_masked`): every loaded one
+        mixed by token, in load order."""
+        return tuple(name for name in self.names if name in self.per_token)
+
+    def forward_masked(self, masks: dict[str, torch.Tensor], **inputs: Any) -> Any:
+        """The model's forward with each token's adapter given by ``masks``: for each of
+        :meth:`masked_names` a ``[tokens, 1]`` column of the model's dtype, 1 on that adapter's
+        tokens (a row's one token in a decode step) and 0 elsewhere; a token of the base model
+        has 0 in every column. PEFT runs the model as the base model, and the hooks add every
+        adapter's LoRA output to every token, times its column: no index depends on which
+        rows hold which adapter, so every step launches the same kernels on the same memory
+        (a CUDA graph records them, the columns among its inputs). It computes each adapter on
+        every row: a few small products more per LoRA layer and adapter."""
+        if not self.names:
+            return self.model(**inputs)
+        self.token_masks = masks
+        try:
+            return self.peft_model(adapter_names=[BASE] * inputs["input_ids"].shape[0], **inputs)
+        finally:
+            self.token_masks = None
 
     def _by_token(self, names: list[str], rows: int, inputs: dict[str, Any]) -> Any:
         """PEFT's forward of the ``rows`` rows as the base model, the hooks adding each
@@ -173,7 +201,8 @@ class LoraAdapters:
         finally:
             self.token_groups = None
 
-    def _served(self, adapters: list[str]) -> list[str]:
+    def served(self, adapters: list[str]) -> list[str]:
+        """Each row's adapter as the forward runs it: :data:`BASE` for an unloaded one."""
         # A row of an unloaded adapter belongs to a request that has ended (an adapter in use
         # is not unloaded) and leaves at the end of this step: its output is never read.
         return [name if name in self.names or name == BASE else BASE for name in adapters]
@@ -206,27 +235,44 @@ class LoraAdapters:
         self, layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
     ) -> torch.Tensor | None:
         """During a forward by token (PEFT ran the layer as the base model): each
-        adapter's LoRA output added to its own tokens' rows, as PEFT adds it to its rows."""
-        groups = self.token_groups
-        if groups is None:
+        adapter's LoRA output added to its own tokens' rows, as PEFT adds it to its rows; in a
+        masked forward, to every token, times the adapter's column."""
+        groups, masks = self.token_groups, self.token_masks
+        if groups is None and masks is None:
             return None
         x = args[0] if args else kwargs["x"]
         inputs = x.reshape(-1, x.shape[-1])
-        tokens = len(self.grouped_for)
+        outputs = output.reshape(-1, output.shape[-1])  # a view where the output allows it
+        if masks is not None:
+            self._check_tokens(layer, inputs, next(iter(masks.values()), inputs).shape[0])
+            for name, column in masks.items():
+                if name in layer.lora_A:
+                    added = self._lora_output(layer, name, inputs) * column
+                    outputs.add_(added.to(outputs.dtype))
+            return outputs.view(output.shape)
+        assert groups is not None
+        self._check_tokens(layer, inputs, len(self.grouped_for))
+        for name, index in groups.items():
+            if name in layer.lora_A:
+                added = self._lora_output(layer, name, inputs.index_select(0, index))
+                outputs.index_add_(0, index, added.to(outputs.dtype))
+        return outputs.view(output.shape)
+
+    @staticmethod
+    def _lora_output(layer: Any, name: str, inputs: torch.Tensor) -> torch.Tensor:
+        """``lora_B(lora_A(dropout(x))) * scaling`` of adapter ``name`` in ``layer``, as PEFT
+        adds it to the base layer's output."""
+        lora_a = layer.lora_A[name]
+        own = layer.lora_dropout[name](inputs.to(lora_a.weight.dtype))
+        return layer.lora_B[name](lora_a(own)) * layer.scaling[name]
+
+    @staticmethod
+    def _check_tokens(layer: Any, inputs: torch.Tensor, tokens: int) -> None:
         if inputs.shape[0] != tokens:  # e.g. an expert's share of the tokens
             raise ValueError(
                 f"a LoRA layer ({type(layer.base_layer).__name__}) takes {inputs.shape[0]} "
                 f"rows for {tokens} tokens: its adapters cannot be mixed by token"
             )
-        outputs = output.reshape(-1, output.shape[-1])  # a view where the output allows it
-        for name, index in groups.items():
-            if name not in layer.lora_A:
-                continue
-            lora_a = layer.lora_A[name]
-            own = inputs.index_select(0, index).to(lora_a.weight.dtype)
-            added = layer.lora_B[name](lora_a(layer.lora_dropout[name](own)))
-            outputs.index_add_(0, index, (added * layer.scaling[name]).to(outputs.dtype))
-        return outputs.view(output.shape)
 
     def _config(self, module: LoraModule) -> Any:
         """The adapter's PEFT config, checked to be a LoRA that PEFT mixes in a batch."""

@@ -16,8 +16,10 @@ apart, so that only the request whose rows break the model fails.
 
 With LoRA adapters (:mod:`.adapters`) every forward goes through PEFT with each row's adapter:
 the batch keeps one adapter name per row (:attr:`DecodeBatch.adapters`), in step with its cache
-rows whenever rows are repeated, dropped, absorbed or split. Such a batch never replays CUDA
-graphs: the rows' adapters are chosen in Python, outside what a graph records. A decode step
+rows whenever rows are repeated, dropped, absorbed or split. A recorded decode step (a CUDA
+graph) runs every adapter on every row, masked to its rows by a column the graph reads
+(:meth:`~.adapters.LoraAdapters.forward_masked`), while every row's adapter is plain LoRA
+linear layers; a batch with another kind steps eagerly, through PEFT's batches. A decode step
 that feeds new prompts is one packed batch row: each of its tokens gets its own row's or
 prompt's adapter (:meth:`~.adapters.LoraAdapters.forward_tokens`), where the adapters are
 plain LoRA linear layers, else only while every row and the prompts have one adapter
@@ -394,7 +396,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
     :class:`~.kv_cache.ReservedCache` (its mask is the batch's), written in place; batches
     absorb each other and split. A decode step hands the model its attention mask ready-made
     (:meth:`~.kv_cache.ReservedCache.step_mask`), and with ``graphs`` replays a recorded one
-    where it can (:mod:`.step_graphs`; never with LoRA adapters)."""
+    where it can (:mod:`.step_graphs`; with LoRA adapters only while every row's adapter is
+    mixed by token: :meth:`~.adapters.LoraAdapters.forward_masked`)."""
 
     def __init__(
         self,
@@ -407,8 +410,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
     ):
         super().__init__(model, lora)
         self.cache = cache
-        if graphs is not None and (not ready_masks or lora is not None):
-            raise ValueError("recorded decode steps need ready masks and no LoRA adapters")
+        if graphs is not None and not ready_masks:
+            raise ValueError("recorded decode steps need ready masks")
         if mixes and not ready_masks:
             raise ValueError("decode steps take prompts with ready masks only")
         self.mixes = mixes
@@ -416,6 +419,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
         :func:`~.ragged.enable_mixed_steps`)."""
         self.graphs = graphs
         """Recorded decode steps (chosen at load by :class:`~.generator.TransformersGenerator`)."""
+        self.masks_for: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self.masks: torch.Tensor | None = None
+        """:meth:`adapter_masks` of the rows' adapters :attr:`masks_for` names."""
         self.ready_masks = ready_masks
         """Whether decode steps hand the model a ready 4-D mask (:func:`takes_ready_masks`)."""
 
@@ -450,7 +456,9 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return self.cache.reserve(tokens)
 
     def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
-        graphs = self.graphs if graphed else None
+        # rows of LoRA adapters mixed by token only (the others go through PEFT's batches)
+        masked = self.lora is None or self.lora.packs(self.lora.served(self.adapters))
+        graphs = self.graphs if graphed and masked else None
         # the rows for the padding first: fitting them may move the buffers
         size = graphs.bucket(self.cache) if graphs is not None else None
         mask = self.cache.reserve(1)
@@ -611,21 +619,43 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    def adapter_masks(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
+        """For a recorded step: the LoRA adapters it computes
+        (:meth:`~.adapters.LoraAdapters.masked_names`) and ``[adapters, rows, 1]`` in the
+        model's dtype, 1 where a row runs that adapter, made (and copied to the device) when
+        the rows or the adapters loaded change, not at every step."""
+        if self.lora is None:
+            return (), None
+        names = self.lora.masked_names()
+        key = (names, tuple(self.adapters))
+        if self.masks_for != key:
+            host = [[[float(row == name)] for row in self.adapters] for name in names]
+            self.masks = to_device(torch.tensor(host, dtype=self.dtype), self.device)
+            self.masks_for = key
+        return names, self.masks
+
     def forward_whole(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        adapters: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """A decode step's logits ``[rows, 1, V]`` from a forward over the cache's whole
         buffers (inside :meth:`~.kv_cache.ReservedCache.writing_at`; the caller advances the
-        cache)."""
-        output = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_argument: self.cache},
+        cache), each row with the LoRA adapter whose ``adapters`` column has a 1 there
+        (:meth:`~.adapters.LoraAdapters.forward_masked`)."""
+        inputs = {
+            "input_ids": ids,
+            "position_ids": positions,
+            "attention_mask": mask,
+            "use_cache": True,
+            self.cache_argument: self.cache,
             **self.extra,
-        )
-        return output.logits
+        }
+        if self.lora is not None:
+            return self.lora.forward_masked(adapters, **inputs).logits
+        return self.model(**inputs).logits
 
     def keep(self, rows: list[int]) -> None:
         if self.graphs is not None:  # a recorded step reads every cell of the rows it pads to

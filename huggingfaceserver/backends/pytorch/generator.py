@@ -116,14 +116,13 @@ def records_steps(
     ready_masks: bool, device_type: str, enforce_eager: bool, lora: bool, compiles: bool = False
 ) -> bool:
     """Whether decode steps are recorded per bucket (:class:`StepGraphs`): as CUDA graphs on a
-    GPU unless ``--enforce_eager``, and compiled wherever ``--torch_compile`` (``compiles``) is
-    given (on a CPU, run eagerly from there), for a model that takes a ready mask (a reserved
-    cache), never with LoRA adapters (each row's adapter is chosen in Python at every step,
-    outside what a graph records)."""
-    graphed = ready_masks and (device_type == "cuda" or compiles) and not enforce_eager
-    if graphed and lora:
-        logger.info("no CUDA graphs: each row's LoRA adapter is chosen in Python per step")
-    return graphed and not lora
+    GPU unless ``--enforce_eager``, and on a CPU with ``--torch_compile`` (``compiles``; run
+    compiled, not recorded), for a model that takes a ready mask (a reserved cache). With
+    LoRA adapters a step is recorded with every adapter masked per row
+    (:meth:`~.adapters.LoraAdapters.forward_masked`), on a GPU only, uncompiled."""
+    if not ready_masks or enforce_eager:
+        return False
+    return device_type == "cuda" or (compiles and not lora)
 
 
 NARROW, WIDE = 8, 40
@@ -200,13 +199,14 @@ class TransformersGenerator(GenerationBackend):
             self.lora is not None,
             compiles,
         )
-        if compiles and not graphed:
+        lora = self.lora is not None
+        if compiles and (lora or not graphed):
             logger.warning(
                 "--torch_compile: decode steps run uncompiled (%s)",
-                "LoRA adapters" if self.ready_masks else "no reserved KV cache for this model",
+                "LoRA adapters" if lora else "no reserved KV cache for this model",
             )
         record = cuda_graph if self.device.type == "cuda" else eager
-        compile = torch_compiled() if compiles and graphed else None
+        compile = torch_compiled() if compiles and graphed and not lora else None
         if compile is not None and self.device.type == "cpu":
             logger.warning(
                 "--torch_compile on a CPU: the compiled decode step runs over the whole KV "
@@ -214,8 +214,8 @@ class TransformersGenerator(GenerationBackend):
                 "45%% at 16 streams); it is meant for a GPU's CUDA graphs"
             )
         self.graphs = StepGraphs(self.max_rows, record, compile) if graphed else None
-        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache, no LoRA),
-        compiled first with ``--torch_compile`` (on a CPU too)."""
+        """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache), compiled
+        first with ``--torch_compile`` (on a CPU too; not with LoRA adapters)."""
         self.batcher = ContinuousBatcher(
             self.new_batch,
             self.max_rows,
@@ -380,8 +380,8 @@ class TransformersGenerator(GenerationBackend):
         (:meth:`settle_batch`), so that a wave of requests after an idle spell replays the
         graphs recorded before it instead of recording them again over new buffers. It costs
         no memory: the graphs hold the cache whose buffers they write until they are recorded
-        over another one. Elsewhere (on CPU, with LoRA adapters) nothing is recorded and the
-        cache goes with its batch."""
+        over another one. Elsewhere (on a CPU) nothing is recorded and the cache goes with
+        its batch."""
         if (
             self.graphs is not None
             and isinstance(batch, ReservedCausalLMBatch)

@@ -118,14 +118,20 @@ class StepInputs:
     """``[bucket, 1, 1, column capacity]``: added to the attention scores."""
     column: torch.Tensor
     """``[1]``: the column the step's keys and values go to."""
+    adapters: torch.Tensor
+    """``[LoRA adapters, bucket, 1]``: 1 where a row runs that adapter
+    (:meth:`~.adapters.LoraAdapters.forward_masked`); no adapters: ``[0, bucket, 1]``."""
 
     @classmethod
-    def allocate(cls, rows: int, columns: int, dtype: torch.dtype, device: torch.device):
+    def allocate(
+        cls, rows: int, columns: int, dtype: torch.dtype, device: torch.device, adapters: int
+    ):
         def longs(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.long, device=device)
 
         mask = torch.zeros(rows, 1, 1, columns, dtype=dtype, device=device)
-        return cls(longs(rows, 1), longs(rows, 1), mask, longs(1))
+        masks = torch.zeros(adapters, rows, 1, dtype=dtype, device=device)
+        return cls(longs(rows, 1), longs(rows, 1), mask, longs(1), masks)
 
 
 class GraphedBatch(Protocol):
@@ -139,8 +145,17 @@ class GraphedBatch(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    def adapter_masks(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
+        """The LoRA adapters a step computes and ``[adapters, rows, 1]``: 1 where a row runs
+        that adapter (``()`` and None without adapters)."""
+        ...
+
     def forward_whole(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        adapters: dict[str, torch.Tensor],
     ) -> torch.Tensor: ...
 
 
@@ -160,9 +175,10 @@ class StepGraphs:
         """Why compiling failed: the forwards are recorded uncompiled."""
         self.replays: dict[int, Forward] = {}
         self.inputs: dict[int, StepInputs] = {}
-        self.over: tuple[ReservedCache, int] | None = None
+        self.over: tuple[ReservedCache, int, tuple[str, ...]] | None = None
         """The cache (and its :attr:`~.kv_cache.ReservedCache.layout`) the graphs were recorded
-        over; held, so that its buffers outlive the graphs that write them."""
+        over, and the LoRA adapters they compute (loading or unloading one records them
+        again); the cache held, so that its buffers outlive the graphs that write them."""
         self.broken: str | None = None
         """Why recording failed: the steps run eagerly."""
         self.recordings = 0
@@ -170,9 +186,13 @@ class StepGraphs:
         self.replayed = 0
         """Decode steps run from a recorded graph so far."""
 
-    def records_over(self, cache: ReservedCache) -> bool:
-        """Whether the graphs recorded so far write into this cache's buffers as they are."""
-        return self.over is not None and self.over[0] is cache and self.over[1] == cache.layout
+    def records_over(self, cache: ReservedCache, adapters: tuple[str, ...] | None = None) -> bool:
+        """Whether the graphs recorded so far write into this cache's buffers as they are
+        (and compute these LoRA adapters, where given)."""
+        over = self.over
+        if over is None or over[0] is not cache or over[1] != cache.layout:
+            return False
+        return adapters is None or over[2] == adapters
 
     def bucket(self, cache: ReservedCache) -> int | None:
         """The rows of the graph that serves the cache's batch (None: none does, run it
@@ -190,18 +210,22 @@ class StepGraphs:
         ``[rows, V]`` (valid until the next step), or None where recording failed: run it
         eagerly."""
         cache = batch.cache
-        if not self.records_over(cache):
+        names, masks = batch.adapter_masks()
+        if not self.records_over(cache, names):
             self.replays.clear()
             self.inputs.clear()
-            self.over = (cache, cache.layout)
+            self.over = (cache, cache.layout, names)
         inputs = self.inputs.get(size)
         if inputs is None:
-            dtype = batch.dtype
-            inputs = StepInputs.allocate(size, cache.column_capacity, dtype, cache.device)
+            columns, dtype, device = cache.column_capacity, batch.dtype, cache.device
+            inputs = StepInputs.allocate(size, columns, dtype, device, len(names))
             self.inputs[size] = inputs
         rows = cache.rows
         inputs.ids[:rows, 0].copy_(tokens.view(-1))
         inputs.positions[:rows, 0].copy_(batch.positions)
+        if masks is not None and names:
+            inputs.adapters[:, :rows].copy_(masks)
+            inputs.adapters[:, rows:].zero_()  # padding rows: the base model
         cache.whole_step_mask(inputs.mask)
         inputs.column.fill_(cache.end)
         replay = self.replays.get(size)
@@ -215,9 +239,12 @@ class StepGraphs:
     def _record(self, batch: GraphedBatch, size: int, inputs: StepInputs) -> Forward | None:
         cache = batch.cache
 
+        assert self.over is not None
+        adapters = dict(zip(self.over[2], inputs.adapters.unbind(0), strict=True))
+
         def forward() -> torch.Tensor:
             with cache.writing_at(inputs.column, size):
-                return batch.forward_whole(inputs.ids, inputs.positions, inputs.mask)
+                return batch.forward_whole(inputs.ids, inputs.positions, inputs.mask, adapters)
 
         try:
             replay = self.record(self._compiled(forward))

@@ -25,7 +25,7 @@ from huggingfaceserver.backends.pytorch.decode_batch import PromptPart, Reserved
 from huggingfaceserver.backends.pytorch.generator import TransformersGenerator, records_steps
 from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
 from huggingfaceserver.backends.pytorch.ragged import MIXED
-from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
+from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, cuda_graph, eager
 from huggingfaceserver.errors import BadRequest, Conflict, NotFound, StartupError
 from huggingfaceserver.generation.params import SamplingParams
 from huggingfaceserver.observability.syncs import SyncCounter
@@ -427,11 +427,11 @@ async def test_an_adapter_not_mixed_per_token_is_fed_only_beside_its_own_rows(
     ]
 
 
-def test_no_cuda_graphs_are_recorded_with_adapters() -> None:
-    """The rows' adapters are chosen in Python at every step, outside what a graph records:
-    decided once, at load (a batch given graphs and adapters refuses them)."""
+def test_steps_with_adapters_are_recorded_on_a_gpu_uncompiled() -> None:
+    """With LoRA adapters a step is recorded with every adapter masked per row: as a CUDA
+    graph on a GPU; never compiled (``--torch_compile`` on a CPU records nothing then)."""
     assert records_steps(True, "cuda", False, lora=False)
-    assert not records_steps(True, "cuda", False, lora=True)
+    assert records_steps(True, "cuda", False, lora=True)
     assert not records_steps(True, "cuda", True, lora=False)
     assert not records_steps(False, "cuda", False, lora=False)
     assert not records_steps(True, "cpu", False, lora=False)
@@ -441,11 +441,81 @@ def test_no_cuda_graphs_are_recorded_with_adapters() -> None:
     assert not records_steps(False, "cpu", False, lora=False, compiles=True)
 
 
-def test_an_adapter_server_has_no_graphs_and_refuses_them(served) -> None:
-    assert served.graphs is None
-    cache = ReservedCache(served.cache_layers, 2, served.model.device)
-    with pytest.raises(ValueError, match="no LoRA"):
-        ReservedCausalLMBatch(served.model, cache, StepGraphs(2, eager), lora=served.lora)
+def lora_batch(backend: TransformersGenerator, graphs: StepGraphs | None) -> ReservedCausalLMBatch:
+    cache = ReservedCache(backend.cache_layers, 4, backend.model.device)
+    return ReservedCausalLMBatch(backend.model, cache, graphs, lora=backend.lora)
+
+
+def step_pair(graphed, plain, step: int, vocab: int) -> None:
+    column = (torch.arange(graphed.cache.rows) * 7 + step * 13) % vocab
+    got, want = graphed.step(column), plain.step(column)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_recorded_steps_of_rows_of_several_adapters_equal_the_eager_ones(served) -> None:
+    """A recorded step (a CUDA graph on a GPU; replayed eagerly here) runs every adapter on
+    every row, each masked to its own rows: rows of two adapters and of the base model, then
+    fewer of them, give the logits of the eager batch, which the tests above hold to PEFT's;
+    without waiting for the device."""
+    graphs = StepGraphs(4, eager)
+    graphed, plain = lora_batch(served, graphs), lora_batch(served, None)
+    vocab = served.vocab_size
+    with torch.inference_mode():
+        prompts = [prompt(served, text) for text in PROMPTS[:3]]
+        for batch in (graphed, plain):
+            batch.prefill_together(prompts, [1, 1, 1], ["sql", None, "chat"])
+        for step in range(4):
+            step_pair(graphed, plain, step, vocab)
+        column = ((torch.arange(3) * 7 + 4 * 13) % vocab).to(served.device)
+        with SyncCounter() as counter:
+            got = graphed.step(column)
+        torch.testing.assert_close(got, plain.step(column), atol=1e-4, rtol=1e-4)
+        for batch in (graphed, plain):
+            batch.keep([2, 0])  # chat, then sql: the masks follow the rows
+        for step in range(5, 9):
+            step_pair(graphed, plain, step, vocab)
+    assert graphs.broken is None and graphs.replayed == 9
+    assert graphs.over is not None and graphs.over[2] == ("sql", "chat")
+    assert counter.total == 0, counter.counts  # the masks made once, on their way ahead
+
+
+def test_a_row_of_an_adapter_not_mixed_per_token_steps_eagerly(with_embedding_adapter) -> None:
+    backend, _ = with_embedding_adapter
+    graphs = StepGraphs(4, eager)
+    graphed, plain = lora_batch(backend, graphs), lora_batch(backend, None)
+    with torch.inference_mode():
+        for batch in (graphed, plain):
+            batch.prefill_together([prompt(backend, PROMPTS[0])] * 2, [1, 1], ["sql", "vocab"])
+        for step in range(3):
+            step_pair(graphed, plain, step, backend.vocab_size)
+        assert graphs.replayed == 0  # PEFT's batches: indices chosen in Python
+        for batch in (graphed, plain):
+            batch.keep([0])  # sql alone: recorded
+        for step in range(3, 5):
+            step_pair(graphed, plain, step, backend.vocab_size)
+    assert graphs.replayed == 2 and graphs.over is not None and graphs.over[2] == ("sql",)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_of_rows_of_several_adapters_replay_the_eager_steps(served) -> None:
+    """On a GPU the server records steps with adapters as CUDA graphs (load decides it)."""
+    assert served.graphs is not None
+    graphs = StepGraphs(4, cuda_graph)
+    graphed, plain = lora_batch(served, graphs), lora_batch(served, None)
+    with torch.inference_mode():
+        prompts = [prompt(served, text) for text in PROMPTS[:3]]
+        for batch in (graphed, plain):
+            batch.prefill_together(prompts, [1, 1, 1], ["sql", None, "chat"])
+        for step in range(20):
+            column = (torch.arange(graphed.cache.rows) * 7 + step * 13) % served.vocab_size
+            column = column.to(served.device)
+            got, want = graphed.step(column), plain.step(column)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+            if step == 10:
+                for batch in (graphed, plain):
+                    batch.keep([2, 0])
+    assert graphs.broken is None and graphs.replayed == 20
 
 
 def test_rows_keep_their_adapters_through_split_absorb_and_keep(served) -> None:

@@ -248,11 +248,11 @@ def test_rows_left_by_a_failed_request_leave_nothing_behind_in_recorded_steps(ba
             step_both(graphed, plain, step, vocab)
 
 
-def test_graphs_are_refused_without_ready_masks_or_with_adapters(backends) -> None:
+def test_graphs_are_refused_without_ready_masks(backends) -> None:
     """Load decides; a batch built against that decision is a programming error, said at once."""
     backend = backends("llama")
     cache = ReservedCache(backend.cache_layers, 4, backend.model.device)
-    with pytest.raises(ValueError, match="ready masks and no LoRA"):
+    with pytest.raises(ValueError, match="recorded decode steps need ready masks"):
         ReservedCausalLMBatch(backend.model, cache, StepGraphs(4, eager), ready_masks=False)
 
 
