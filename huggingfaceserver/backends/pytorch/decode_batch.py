@@ -421,7 +421,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
         """Recorded decode steps (chosen at load by :class:`~.generator.TransformersGenerator`)."""
         self.masks_for: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self.masks: torch.Tensor | None = None
-        """:meth:`adapter_masks` of the rows' adapters :attr:`masks_for` names."""
+        """:meth:`adapter_masks` of the rows' adapters :attr:`masks_for` names (None: they
+        are not all mixed by token)."""
         self.ready_masks = ready_masks
         """Whether decode steps hand the model a ready 4-D mask (:func:`takes_ready_masks`)."""
 
@@ -456,8 +457,8 @@ class ReservedCausalLMBatch(CausalLMBatch):
         return self.cache.reserve(tokens)
 
     def step(self, tokens: torch.Tensor | Sequence[int], graphed: bool = True) -> torch.Tensor:
-        # rows of LoRA adapters mixed by token only (the others go through PEFT's batches)
-        masked = self.lora is None or self.lora.packs(self.lora.served(self.adapters))
+        # with LoRA, rows of adapters mixed by token only (the others go through PEFT's batches)
+        masked = self.lora is None or self.adapter_masks()[1] is not None
         graphs = self.graphs if graphed and masked else None
         # the rows for the padding first: fitting them may move the buffers
         size = graphs.bucket(self.cache) if graphs is not None else None
@@ -622,16 +623,19 @@ class ReservedCausalLMBatch(CausalLMBatch):
     def adapter_masks(self) -> tuple[tuple[str, ...], torch.Tensor | None]:
         """For a recorded step: the LoRA adapters it computes
         (:meth:`~.adapters.LoraAdapters.masked_names`) and ``[adapters, rows, 1]`` in the
-        model's dtype, 1 where a row runs that adapter, made (and copied to the device) when
-        the rows or the adapters loaded change, not at every step."""
+        model's dtype, 1 where a row runs that adapter; None where a row's adapter is not
+        mixed by token (the step runs eagerly). Made (and copied to the device) when the rows
+        or the adapters loaded change, not at every step."""
         if self.lora is None:
             return (), None
         names = self.lora.masked_names()
         key = (names, tuple(self.adapters))
         if self.masks_for != key:
-            host = [[[float(row == name)] for row in self.adapters] for name in names]
-            self.masks = to_device(torch.tensor(host, dtype=self.dtype), self.device)
             self.masks_for = key
+            self.masks = None
+            if self.lora.packs(self.lora.served(self.adapters)):
+                host = [[[float(row == name)] for row in self.adapters] for name in names]
+                self.masks = to_device(torch.tensor(host, dtype=self.dtype), self.device)
         return names, self.masks
 
     def forward_whole(
