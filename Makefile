@@ -108,7 +108,7 @@ test-vllm: install install-vllm
 # (about 17 minutes on 2 cores). A smoke run: make bench BENCH_ARGS=--quick
 # On the GPU machine (python3 with torch, no registry; .gpu/ from `make gpu-wheels` carried
 # along): make bench DEVICE=cuda BENCH_ARGS="--only encoder" (writes under $OUT, see
-# bench/gpu_run.sh)
+# bench/gpu_run.sh); rehearsed here on the CPU: make bench BENCH_ARGS="--device cuda --rehearse"
 BENCH_ARGS ?=
 DEVICE ?= cpu
 bench: $(if $(filter cuda,$(DEVICE)),,bytecode)

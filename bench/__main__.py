@@ -1,5 +1,5 @@
-"""``python -m bench [--device cuda] [--quick] [--only KEY,...] [--output FILE]``: run and
-report."""
+"""``python -m bench [--device cuda [--rehearse]] [--quick] [--only KEY,...] [--output FILE]``:
+run and report."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from .workloads import QUICK, Settings
 
 logger = logging.getLogger("bench")
 DEFAULT_OUTPUT = {"cpu": Path("BENCHMARKS.md"), "cuda": Path("BENCHMARKS-gpu.md")}
+REHEARSAL_OUTPUT = Path(".cache/bench/gpu-rehearsal.md")
+"""``--rehearse``'s report: its figures are the CPU's, for no document."""
 GPU_REPORT = Path("BENCHMARKS-gpu.md")
 """The GPU figures, taken on a GPU machine; the CPU report carries them as they are."""
 DEFAULT_BASELINE = "2bd647e"
@@ -31,6 +33,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         choices=("cpu", "cuda"),
         default="cpu",
         help="cpu: the CPU workloads (default); cuda: the GPU workloads, on a GPU machine",
+    )
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="with --device cuda: run the GPU workloads here, on the CPU, with models of the "
+        "same architectures a few thousandths the size, once and briefly: every step of the "
+        f"GPU run, figures meaningless (report: {REHEARSAL_OUTPUT})",
     )
     parser.add_argument("--quick", action="store_true", help="1 repeat, short runs (smoke test)")
     parser.add_argument(
@@ -60,13 +69,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         help="extra flag for every server, repeatable (e.g. --server-arg=--disable_log_requests)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rehearse and args.device != "cuda":
+        parser.error("--rehearse rehearses the GPU workloads: give it with --device cuda")
+    return args
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """The full run's settings (or the quick ones) for the device, with the command line's
     changes."""
-    if args.device == "cuda":
+    if args.rehearse:
+        from .gpu import REHEARSAL_SETTINGS
+
+        settings = REHEARSAL_SETTINGS
+    elif args.device == "cuda":
         from .gpu import GPU_QUICK, GPU_SETTINGS
 
         settings = GPU_QUICK if args.quick else GPU_SETTINGS
@@ -102,7 +118,7 @@ def run_all(suites: Sequence[Suite], context: Context) -> tuple[list[Outcome], l
     outcomes, skipped = [], []
     try:
         for suite in suites:
-            reason = suite.unavailable()
+            reason = suite.unavailable(context)
             if reason is not None:
                 logger.warning("%s: skipped: %s", suite.key, reason)
                 skipped.append(f"{suite.key}: {reason}")
@@ -123,9 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import environment, report
 
     settings, suites = settings_from(args), selected(args.only, args.device)
-    output = args.output or DEFAULT_OUTPUT[args.device]
+    output = args.output or (REHEARSAL_OUTPUT if args.rehearse else DEFAULT_OUTPUT[args.device])
     started = time.monotonic()
-    context = Context(settings, args.cache.resolve(), args.baseline_ref)
+    context = Context(settings, args.cache.resolve(), args.baseline_ref, args.rehearse)
     outcomes, skipped = run_all(suites, context)
     checked = [target for outcome in outcomes for target in outcome.targets()]
     command = shlex.join(["python", "-m", "bench", *argv])

@@ -12,9 +12,11 @@ from .gpu import (
     MAX_TOKENS,
     RAW_BATCHES,
     SERVER_ARGS,
+    STATIC_BATCH,
     GpuEncoderResult,
     GpuGenerationResult,
 )
+from .gpu_models import REHEARSAL, Dims
 from .raw import EncoderCeiling
 from .report import num, spread, table, triple
 from .stats import Spread, median, percentile
@@ -24,7 +26,7 @@ ENCODER_COLUMNS = (
     "configuration",
     "C",
     "sequences/s (median [min–max])",
-    "of plain fp32 best",
+    "of plain best, same dtype",
     "p50 ms",
     "p99 ms",
     "errors",
@@ -66,7 +68,7 @@ def _plain_rows(label: str, ceiling: EncoderCeiling, best: float) -> list[list[s
     return rows
 
 
-def _server_row(per_request: int, runs: list[FastResult], best: float) -> list[str]:
+def _server_row(label: str, per_request: int, runs: list[FastResult], best: float) -> list[str]:
     rate = Spread.of([r.requests_per_s * per_request for r in runs])
     errors = sum(r.error_count for r in runs)
     answered = sum(r.answered for r in runs)
@@ -74,7 +76,7 @@ def _server_row(per_request: int, runs: list[FastResult], best: float) -> list[s
     client_cores = median([r.client_cpu_s / r.elapsed_s for r in runs])
     texts = "1 text" if per_request == 1 else f"{per_request} texts"
     return [
-        f"server, {texts} per request (V1)",
+        f"server {label}, {texts} per request (V1)",
         str(runs[0].concurrency),
         spread(rate, 0),
         f"{rate.median / best:.0%}",
@@ -93,24 +95,26 @@ def _by_batch(label: str, ceiling: EncoderCeiling) -> str:
 
 def encoder_section(result: GpuEncoderResult) -> list[str]:
     """Plain torch by dtype, then the server per request size and concurrency."""
-    best = result.best
     rows = []
     for label, ceiling in result.plain.items():
-        rows += _plain_rows(label, ceiling, best)
-    for (per_request, _), runs in result.runs.items():
-        rows.append(_server_row(per_request, runs, best))
+        rows += _plain_rows(label, ceiling, result.best(label))
+    for (label, per_request, _), runs in result.runs.items():
+        rows.append(_server_row(label, per_request, runs, result.best(label)))
     settings = result.settings
+    started = ", ".join(f"{label} {s:.0f} s" for label, s in result.startup_s.items())
     return [
-        "## GPU encoder: BERT with bert-base's dimensions (hidden 768, 12 layers), random weights",
+        "## GPU encoder: BERT with bert-base's dimensions (hidden 768, 12 layers), random weights"
+        + _rehearsal(result.device, REHEARSAL.bert),
         "",
         "Method. Plain torch: tokenizer + forward + argmax under `torch.inference_mode` on the "
-        "GPU, results copied back to the CPU, padded per batch, fp32 (what the server's "
-        "`--dtype auto` gives an encoder) and fp16; batch sizes "
+        f"{_where(result.device)}, results copied back to the CPU, padded per batch, fp32 (what "
+        "the server's `--dtype auto` gives an encoder) and fp16; batch sizes "
         f"{', '.join(map(str, ENCODER_BATCH_SIZES))}, {RAW_BATCHES} batches each. The server: "
-        f"{_flags('encoder')}; single-sentence and 16-sentence V1 `:predict` requests from "
+        f"{_flags('encoder')}, with `--dtype float32`, then with `--dtype float16`; "
+        "single-sentence and 16-sentence V1 `:predict` requests from "
         f"{CLIENT_PROCESSES} lean client processes sharing the connections (keep-alive, "
         f"prebuilt requests), {settings.duration_s:.0f} s per run after "
-        f"{settings.warmup_s:.0f} s of warm-up, {settings.repeats} repeat(s). Rates are "
+        f"{settings.warmup_s:g} s of warm-up, {settings.repeats} repeat(s). Rates are "
         "sequences/s (requests/s times texts per request).",
         "",
         *table(ENCODER_COLUMNS, rows),
@@ -119,9 +123,22 @@ def encoder_section(result: GpuEncoderResult) -> list[str]:
         + "; ".join(_by_batch(label, ceiling) for label, ceiling in result.plain.items())
         + ".",
         "",
-        f"Server start to ready: {result.startup_s:.0f} s.",
+        f"Server start to ready: {started}.",
         "",
     ]
+
+
+def _where(device: str) -> str:
+    return "GPU" if device == "cuda" else "CPU"
+
+
+def _rehearsal(device: str, dims: Dims) -> str:
+    if device == "cuda":
+        return ""
+    return (
+        f" – REHEARSAL on the CPU with the same architecture at hidden {dims.hidden} and "
+        f"{dims.layers} layers (`--rehearse`): the figures say nothing of a GPU"
+    )
 
 
 def generation_section(result: GpuGenerationResult) -> list[str]:
@@ -131,6 +148,14 @@ def generation_section(result: GpuGenerationResult) -> list[str]:
         [f"plain generate, batch {size}", "–", spread(Spread.of(rates), 0), "100%"] + ["–"] * 5
         for size, rates in plain.rates.items()
     ]
+    static = Spread.of(result.static.rates[STATIC_BATCH])
+    compiled = " + torch.compile" if result.device == "cuda" else ""
+    eager_share = static.median / statistics.median(plain.rates[STATIC_BATCH])
+    rows.append(
+        [f"plain generate, static cache{compiled}, batch {STATIC_BATCH}", "–", spread(static, 0)]
+        + [f"{eager_share:.0%}"]
+        + ["–"] * 5
+    )
     for concurrency, runs in result.runs.items():
         summary = summarize(runs, tokens=True)
         reference = plain.rates.get(concurrency)
@@ -147,11 +172,14 @@ def generation_section(result: GpuGenerationResult) -> list[str]:
     dtype = str(GENERATION_DTYPE).removeprefix("torch.")
     return [
         "## GPU generation: Llama with TinyLlama-1.1B's dimensions, random weights, EOS "
-        f"unreachable, max_tokens={MAX_TOKENS}",
+        f"unreachable, max_tokens={MAX_TOKENS}" + _rehearsal(result.device, REHEARSAL.llama),
         "",
-        f"Method. Plain `model.generate` ({dtype}, what the server's `--dtype auto` gives a "
-        "generative model on a GPU; eager, dynamic cache), greedy, left-padded, "
-        f"{settings.repeats} repeat(s) after two warm-ups. The server: "
+        f"Method. Plain `model.generate` on the {_where(result.device)}, in {dtype} (the "
+        "checkpoint's dtype), with transformers' dynamic cache (eager), and at batch "
+        f'{STATIC_BATCH} with its static cache (`cache_implementation="static"`, which '
+        "`generate` compiles on a GPU: `torch.compile`, CUDA graphs), greedy, left-padded, "
+        f"{settings.repeats} repeat(s) after two warm-ups. The share column is against eager "
+        "`generate` at the same batch size. The server: "
         f"{_flags('generation')}; streamed `/openai/v1/completions`, greedy, exactly "
         f"{MAX_TOKENS} new tokens each (checked from the usage chunk), closed loop (aiohttp, "
         f"in the benchmark process), {settings.generation_rounds} request(s) per worker and at "

@@ -5,7 +5,10 @@
 # the benchmark's log and the servers' logs under $OUT (the device's folder that comes back;
 # default .cache/bench/out), the report as $OUT/BENCHMARKS-gpu.md unless --output says.
 #
-#   bash bench/gpu_run.sh --only encoder --output "$OUT/gpu-encoder.md"
+# Rehearse first, here on the CPU (the same runs on tiny models, 40 s; a test runs it too):
+#   .venv/bin/python -m bench --device cuda --rehearse
+# Then there, one call each:
+#   bash bench/gpu_run.sh --only encoder --output "$OUT/gpu-encoder.md"   # fp32, then fp16
 #   bash bench/gpu_run.sh --only generation --output "$OUT/gpu-generation.md"
 #   bash bench/gpu_run.sh --only generation --server-arg=--torch_compile \
 #       --output "$OUT/gpu-generation-compiled.md"   # the decode step compiled inside the graphs

@@ -4,7 +4,8 @@ Encoders: tokenize + forward (+ pooling or argmax) on torch (under ``torch.infer
 on ONNX Runtime with the server's own export, in batches of several sizes, padded per batch; the
 best rate is the ceiling, and the batch-1 latencies are what one request costs without a server.
 Generation: ``model.generate`` on a left-padded batch, greedy, exactly ``new_tokens`` new tokens
-per row (checked).
+per row (checked); with transformers' dynamic cache (eager) or its static cache, with which
+``generate`` compiles the decoding forward itself on a GPU (``torch.compile``, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -184,15 +185,23 @@ def generate_new_tokens(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     new_tokens: int,
+    cache_implementation: str | None = None,
 ) -> float:
-    """Seconds for one greedy ``generate`` of ``new_tokens`` tokens on a left-padded batch.
+    """Seconds for one greedy ``generate`` of ``new_tokens`` tokens on a left-padded batch
+    (``cache_implementation``: transformers' name of the KV cache, None for its default).
 
     Fails when a row got fewer tokens or an EOS: the rate would not be comparable.
     """
     batch = tokenizer(list(prompts), padding=True, return_tensors="pt").to(model.device)
     eos = tokenizer.eos_token_id
     start = time.perf_counter()
-    output = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, pad_token_id=eos)
+    output = model.generate(
+        **batch,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=eos,
+        cache_implementation=cache_implementation,
+    )
     output = output.cpu()  # waits for the GPU, if any
     seconds = time.perf_counter() - start
     generated = output[:, batch["input_ids"].shape[1] :]
@@ -209,20 +218,23 @@ def generation_ceiling(
     repeats: int,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    cache_implementation: str | None = None,
 ) -> GenerationCeiling:
-    """New tokens/s of ``generate`` for each batch size (prompts taken in order), per repeat."""
+    """New tokens/s of ``generate`` for each batch size (prompts taken in order), per repeat;
+    ``cache_implementation`` as :func:`generate_new_tokens` takes it."""
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device).eval()
+    cache = cache_implementation
     rates: dict[int, list[float]] = {size: [] for size in batch_sizes}
     with torch.inference_mode():
-        for size in batch_sizes:  # warm-up: first calls allocate and pick kernels
-            generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
-            generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
+        for size in batch_sizes:  # warm-up: first calls allocate, pick kernels, compile
+            for _ in range(2):
+                generate_new_tokens(model, tokenizer, prompts[:size], new_tokens, cache)
         for _ in range(repeats):
             for size in batch_sizes:
-                seconds = generate_new_tokens(model, tokenizer, prompts[:size], new_tokens)
+                seconds = generate_new_tokens(model, tokenizer, prompts[:size], new_tokens, cache)
                 rates[size].append(size * new_tokens / seconds)
     lengths = [len(ids) for ids in tokenizer(list(prompts))["input_ids"]]
     return GenerationCeiling(rates, new_tokens, (min(lengths), max(lengths)))

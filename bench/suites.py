@@ -37,10 +37,17 @@ class Context:
     settings: Settings
     cache: Path
     baseline_ref: str
+    rehearsal: bool = False
+    """The GPU workloads on this machine's CPU, on models a few thousandths the size."""
 
     @property
     def log_dir(self) -> Path:
         return self.cache / "logs"
+
+    @property
+    def gpu_device(self) -> str:
+        """Where the GPU workloads run: the GPU, or the CPU for a rehearsal."""
+        return "cpu" if self.rehearsal else "cuda"
 
     @cached_property
     def models(self) -> BenchModels:
@@ -50,9 +57,9 @@ class Context:
 
     @cached_property
     def gpu_models(self) -> GpuModels:
-        from .gpu_models import GpuModels
+        from .gpu_models import REAL, REHEARSAL, GpuModels
 
-        return GpuModels(self.cache)
+        return GpuModels(self.cache, REHEARSAL if self.rehearsal else REAL)
 
     @cached_property
     def prober(self) -> HealthProber:
@@ -73,7 +80,7 @@ class Suite:
     key: str
     device: str
     run: Callable[[Context], Outcome]
-    unavailable: Callable[[], str | None] = lambda: None
+    unavailable: Callable[[Context], str | None] = lambda _: None
     """Why it cannot run on this machine (it is then skipped with that note), None if it can."""
     classic: bool = False
     """One of :data:`bench.workloads.WORKLOADS` (the report's header describes their method)."""
@@ -174,7 +181,7 @@ def _torch_compile(context: Context) -> Outcome:
     return torch_compile.measure(context.models.llama, context.settings, context.log_dir)
 
 
-def _vllm_unavailable() -> str | None:
+def _vllm_unavailable(_: Context) -> str | None:
     from .vllm_tier import unavailable
 
     return unavailable()
@@ -187,7 +194,7 @@ def _peers(context: Context) -> Outcome:
     return peers.measure(model_dir, context.settings, context.cache, context.log_dir)
 
 
-def _peers_unavailable() -> str | None:
+def _peers_unavailable(_: Context) -> str | None:
     from .peers import unavailable
 
     return unavailable()
@@ -234,7 +241,9 @@ def _gpu_encoder(context: Context) -> Outcome:
     from .gpu import measure_encoder
     from .gpu_report import encoder_section
 
-    result = measure_encoder(context.gpu_models, context.settings, context.log_dir)
+    result = measure_encoder(
+        context.gpu_models, context.settings, context.log_dir, context.gpu_device
+    )
     return Reported(result, encoder_section)
 
 
@@ -242,14 +251,18 @@ def _gpu_generation(context: Context) -> Outcome:
     from .gpu import measure_generation
     from .gpu_report import generation_section
 
-    result = measure_generation(context.gpu_models, context.settings, context.log_dir)
+    result = measure_generation(
+        context.gpu_models, context.settings, context.log_dir, context.gpu_device
+    )
     return Reported(result, generation_section)
 
 
-def _no_cuda() -> str | None:
+def _no_cuda(context: Context) -> str | None:
     import torch
 
-    return None if torch.cuda.is_available() else "no CUDA device here"
+    if context.rehearsal or torch.cuda.is_available():
+        return None
+    return "no CUDA device here (--rehearse runs it on this CPU)"
 
 
 SUITES = (
