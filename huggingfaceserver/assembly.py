@@ -69,12 +69,18 @@ def locate(
     source = load_source(config, read_config)
     from .backends.vllm.cache_sizing import plan_kv_cache  # no vLLM import: asked only for vLLM
 
+    def refuses() -> str | None:
+        from .backends.vllm.attention_fit import attention_refusal  # vLLM is installed
+
+        return attention_refusal(source)
+
     choice = choose_backend(
         config.backend,
         source.task,
         source.architectures,
         installed=vllm_installed if vllm else lambda: False,
         kv_cache=lambda: plan_kv_cache(source, config),
+        refuses=refuses,
     )
     logger.info("backend %s: %s", choice.name, choice.reason)
     return source, choice

@@ -73,12 +73,14 @@ def choose_backend(
     kv_cache: Callable[[], KvCachePlan | None] = no_kv_cache_plan,
     onnx: Callable[[], bool] = onnx_installed,
     openvino: Callable[[], bool] = openvino_installed,
+    refuses: Callable[[], str | None] = lambda: None,
 ) -> BackendChoice:
     """The backend for a model (CONTRACT.md section 1).
 
     ``auto``: for encoder tasks ONNX Runtime when it is installed (torch where the export does
     not serve the model, decided at load); for generative tasks vLLM when it is installed,
-    supports the architecture and its KV cache fits in memory (``kv_cache``: see
+    supports the architecture, runs the model on this machine (``refuses``: why not, see
+    :mod:`.vllm.attention_fit`) and its KV cache fits in memory (``kv_cache``: see
     :mod:`.vllm.cache_sizing`), else transformers.
     ``vllm``, ``onnx`` and ``openvino``: a startup error when that runtime cannot serve the
     model.
@@ -108,6 +110,8 @@ def choose_backend(
             raise StartupError(f"--backend vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
         if not supports(architectures):
             raise StartupError(f"--backend vllm: vLLM does not support {arch}")
+        if (refusal := refuses()) is not None:
+            raise StartupError(f"--backend vllm: {refusal}; --backend auto serves it otherwise")
         return with_kv_cache(requested, "--backend vllm", kv_cache())
     if not task.is_generative:
         if not onnx():
@@ -121,6 +125,8 @@ def choose_backend(
         return BackendChoice("huggingface", "vLLM is not installed")
     if not supports(architectures):
         return BackendChoice("huggingface", f"vLLM does not support {arch}")
+    if (refusal := refuses()) is not None:
+        return BackendChoice("huggingface", refusal)
     return with_kv_cache(requested, f"vLLM supports {arch}", kv_cache())
 
 

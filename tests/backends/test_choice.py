@@ -193,3 +193,36 @@ def test_the_kv_cache_is_not_sized_where_vllm_does_not_serve(requested, task, kn
         requested, task, LLAMA, installed(True), supports(*known), never_asked, installed(False)
     )
     assert choice.name == "huggingface"
+
+
+def refuses(reason: str | None) -> Callable[[], str | None]:
+    """A fake check of whether vLLM runs the model on this machine."""
+    return lambda: reason
+
+
+@pytest.mark.parametrize("task", GENERATIVE_TASKS)
+def test_auto_serves_a_model_vllm_cannot_run_here_on_transformers(task):
+    choice = choose_backend(
+        "auto", task, LLAMA, installed(True), supports(*LLAMA), refuses=refuses("head size 16")
+    )
+    assert (choice.name, choice.reason) == ("huggingface", "head size 16")
+
+
+def test_vllm_requested_for_a_model_it_cannot_run_here_is_an_error():
+    with pytest.raises(StartupError, match="--backend vllm: head size 16; --backend auto"):
+        choose_backend(
+            "vllm",
+            Task.text_generation,
+            LLAMA,
+            installed(True),
+            supports(*LLAMA),
+            refuses=refuses("head size 16"),
+        )
+
+
+def test_a_model_vllm_runs_is_not_refused():
+    task = Task.text_generation
+    choice = choose_backend(
+        "auto", task, LLAMA, installed(True), supports(*LLAMA), refuses=refuses(None)
+    )
+    assert choice.name == "vllm"

@@ -145,7 +145,7 @@ def model_memory(source: ModelSource, config: ServerConfig) -> ModelMemory | Non
     if not (layers and heads):
         return None
     kv_heads = first_int(text, "num_key_value_heads") or heads
-    head_dim = first_int(text, "head_dim") or (first_int(text, "hidden_size") or 0) // heads
+    head_dim = head_size(text)
     if not head_dim:
         return None
     facts = source.facts
@@ -169,6 +169,14 @@ def flag_int(config: ServerConfig, name: str) -> int | None:
         return int(values[0]) if values and int(values[0]) > 0 else None
     except ValueError:
         return None
+
+
+def head_size(text: object) -> int | None:
+    """The size of an attention head, from a model's text config (None where it does not say)."""
+    heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
+    if not heads:
+        return None
+    return first_int(text, "head_dim") or (first_int(text, "hidden_size") or 0) // heads or None
 
 
 def first_int(config: object, *names: str) -> int | None:

@@ -38,6 +38,19 @@ try:  # vLLM's own error for a sampling parameter it refuses
 except ImportError:  # older releases raise ValueError
     ParamsError = ValueError  # type: ignore[misc, assignment]
 
+try:  # what a request gets once vLLM's engine core has died
+    from vllm.v1.engine.exceptions import EngineDeadError
+except ImportError:  # older releases: a class nothing raises
+
+    class EngineDeadError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+try:  # the attention of vLLM's CPU build: kernels for a fixed set of head sizes
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+except ImportError:  # a build without it, or a release where it moved: not checked
+    CPUAttentionBackend = None  # type: ignore[assignment, misc]
+
 VERSION: str = vllm.__version__
 DELTA = RequestOutputKind.DELTA
 
@@ -48,6 +61,8 @@ __all__ = [
     "DELTA",
     "VERSION",
     "AsyncEngine",
+    "CPUAttentionBackend",
+    "EngineDeadError",
     "FlexibleArgumentParser",
     "LoRARequest",
     "ParamsError",

@@ -15,7 +15,7 @@ from ...cli import ServerConfig
 from ...encoder_tasks import EncoderOptions
 from ...encoder_tasks.embedding import TextEmbedding
 from ...encoder_tasks.params import DEFAULT_PARAMS, EncodeParams, Output
-from ...errors import BadRequest, StartupError
+from ...errors import BadRequest, EngineDied, StartupError
 from ...loading import ModelSource, load_tokenizer
 from ...sentence.config import pooling_modes
 from ...sentence.similarity import unit
@@ -25,7 +25,7 @@ from ..row_tokenizer import RowTokenizer
 from ..tokenizing import SentenceSettings, check_token_inputs
 from ..truncation import Truncation, asked_truncation
 from . import compat
-from .engine import EngineHolder
+from .engine import ENGINE_DIED, EngineHolder
 from .engine_args import build_engine_args
 
 SERVED_OUTPUTS = frozenset({Output.task, Output.normalized})
@@ -104,8 +104,11 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
         stream = self.engine.encode(
             compat.TokensPrompt(prompt_token_ids=ids), compat.embed_params(), uuid.uuid4().hex
         )
-        async for output in stream:
-            final = output
+        try:
+            async for output in stream:
+                final = output
+        except compat.EngineDeadError:
+            raise EngineDied(ENGINE_DIED) from None
         return final.outputs.data.float().tolist()
 
     async def infer_counted(

@@ -16,6 +16,12 @@ from . import compat
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DIED = (
+    "the vLLM engine died (its own log, above, says why); where vLLM cannot run this model on "
+    "this machine, --backend huggingface runs it on transformers"
+)
+"""What a request waiting on a dead engine fails with (a 503), and the server's last line when
+that request was the warm-up inference."""
 HEALTH_INTERVAL_S = 5.0
 RPC_ENV = "VLLM_RPC_BASE_PATH"
 MAX_IPC_DIR_LEN = 107 - 1 - 36

@@ -17,7 +17,7 @@ from typing import Any
 import vllm
 
 from ...cli import ServerConfig
-from ...errors import BadRequest
+from ...errors import BadRequest, EngineDied
 from ...generation.constraints import LazyGrammars
 from ...generation.params import (
     ChoiceDelta,
@@ -30,7 +30,7 @@ from ...loading import ModelSource, load_tokenizer
 from ..base import GenerationBackend
 from ..lora import ServedAdapters, served_adapters
 from . import compat
-from .engine import EngineHolder
+from .engine import ENGINE_DIED, EngineHolder
 from .engine_args import build_engine_args
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,9 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
                     else deltas
                 )
                 finished = output.finished
+        except compat.EngineDeadError:
+            finished = True  # nothing left to abort
+            raise EngineDied(ENGINE_DIED) from None
         finally:
             self.adapters.release(adapter)
             if not finished:  # the consumer left: free the engine's slot at once

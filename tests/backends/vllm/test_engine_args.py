@@ -29,6 +29,7 @@ vllm = pytest.importorskip("vllm")
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from huggingfaceserver.backends.lora import LoraModule, lora_modules  # noqa: E402
+from huggingfaceserver.backends.vllm.attention_fit import attention_refusal  # noqa: E402
 from huggingfaceserver.backends.vllm.compat import engine_flag_names  # noqa: E402
 from huggingfaceserver.backends.vllm.engine_args import (  # noqa: E402
     build_engine_args,
@@ -294,6 +295,34 @@ def test_the_choice_and_its_reason_are_logged(tiny_models, caplog, model, backen
     (line,) = {r.getMessage() for r in caplog.records if r.getMessage().startswith("backend ")}
     architecture = "LlamaForCausalLM" if model == "llama64" else "T5ForConditionalGeneration"
     assert line.startswith(f"backend {backend}: ") and architecture in line
+
+
+def test_the_cpu_attention_refuses_a_head_size_it_has_no_kernel_for(tiny_models):
+    """The tiny Llama's heads are 16 wide: vLLM's CPU engine would start, then die at the first
+    forward; with 32 (llama64) it runs."""
+    narrow = load_source(config_for(tiny_models["llama"]))
+    refusal = attention_refusal(narrow, on_cpu=True)
+    assert refusal is not None and "head size 16" in refusal and "32" in refusal
+    assert attention_refusal(narrow, on_cpu=False) is None  # other platforms take any size
+    assert attention_refusal(load_source(config_for(tiny_models["llama64"])), on_cpu=True) is None
+
+
+def test_auto_serves_a_model_vllm_cannot_run_here_on_transformers(tiny_models, caplog):
+    logger = logging.getLogger("huggingfaceserver.assembly")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="huggingfaceserver.assembly"):
+            built = build_model(config_for(tiny_models["llama"]))  # no weights are loaded
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert type(built.backend).__name__ == "TransformersGenerator"
+    (line,) = {r.getMessage() for r in caplog.records if r.getMessage().startswith("backend ")}
+    assert line.startswith("backend huggingface: vLLM's CPU attention") and "16" in line
+
+
+def test_backend_vllm_for_a_model_vllm_cannot_run_here_is_a_startup_error(tiny_models):
+    with pytest.raises(StartupError, match="--backend vllm: vLLM's CPU attention .* head size 16"):
+        locate(config_for(tiny_models["llama"], "--backend", "vllm"))
 
 
 @pytest.mark.slow

@@ -127,6 +127,17 @@ class EngineDeath:
     exited_after: float | None
     survivors: list[Proc]
     log: str
+    waiting: tuple[int, str] | None
+    """The status and body of a request sent as the engine core died (None: no answer)."""
+
+
+def request_as_it_dies(server: ServerProcess) -> tuple[int, str] | None:
+    body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+    try:
+        response = httpx.post(f"{server.url}/openai/v1/completions", json=body, timeout=30)
+    except httpx.HTTPError:
+        return None
+    return response.status_code, response.text
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +150,7 @@ def engine_death(llama_path: Path, tmp_path_factory) -> EngineDeath:
         assert len(core) == 1, [p.cmdline for p in processes]
         os.kill(core[0].pid, signal.SIGKILL)
         killed = time.monotonic()
+        waiting = request_as_it_dies(server)
         not_ready_after = exited_after = None
         while time.monotonic() - killed < 30:
             if server.process.poll() is not None:
@@ -149,13 +161,20 @@ def engine_death(llama_path: Path, tmp_path_factory) -> EngineDeath:
             time.sleep(0.2)
         returncode = server.process.poll()
     left = survivors(processes, timeout=15)
-    return EngineDeath(not_ready_after, returncode, exited_after, left, server.log())
+    return EngineDeath(not_ready_after, returncode, exited_after, left, server.log(), waiting)
 
 
 def test_engine_death_is_noticed_within_20_seconds(engine_death):
     times = (engine_death.not_ready_after, engine_death.exited_after)
     noticed = [t for t in times if t is not None]
     assert noticed and min(noticed) < 20, engine_death.log[-3000:]
+
+
+def test_a_request_waiting_on_the_dead_engine_gets_a_503_saying_so(engine_death):
+    assert engine_death.waiting is not None, engine_death.log[-3000:]
+    status_code, body = engine_death.waiting
+    assert status_code == 503, body
+    assert "the vLLM engine died" in body
 
 
 def test_engine_death_exits_1(engine_death):
