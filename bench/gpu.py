@@ -258,6 +258,11 @@ def measure_encoder(
     models: GpuModels, settings: Settings, log_dir: Path, device: str = "cuda"
 ) -> GpuEncoderResult:
     """Plain torch in each dtype, then the server in each at every concurrency, repeated."""
+    if any(arg.split("=")[0] == "--dtype" for arg in settings.server_args):
+        raise SystemExit(
+            "gpu encoder: the server runs in fp32, then in fp16, by itself; drop --dtype from "
+            "--server-arg"
+        )
     ceilings = {}
     for label, dtype in ENCODER_DTYPES.items():
         logger.info("gpu encoder: plain torch %s", label)

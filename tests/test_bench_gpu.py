@@ -7,6 +7,7 @@ happened, answered without errors, and that issue 32's targets were all checked.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import pytest
 
 from bench.__main__ import parse_args
+from bench.gpu import REHEARSAL_SETTINGS, measure_encoder
+from bench.gpu_models import GpuModels
 
 from .harness import REPO
 
@@ -94,3 +97,11 @@ def test_rehearse_is_for_the_gpu_workloads(capsys):
     assert exited.value.code == 2
     assert "--device cuda" in capsys.readouterr().err
     assert parse_args(["--device", "cuda", "--rehearse"]).rehearse
+
+
+@pytest.mark.parametrize("flag", [("--dtype=float16",), ("--dtype", "float16")])
+def test_the_encoder_workload_keeps_its_own_dtypes(tmp_path, flag):
+    """It labels its runs fp32 and fp16: a --dtype for every server would make both fp16."""
+    settings = dataclasses.replace(REHEARSAL_SETTINGS, server_args=flag)
+    with pytest.raises(SystemExit, match="drop --dtype"):
+        measure_encoder(GpuModels(tmp_path), settings, tmp_path, "cpu")
