@@ -211,7 +211,7 @@ class TransformersGenerator(GenerationBackend):
             logger.warning(
                 "--torch_compile on a CPU: the compiled decode step runs over the whole KV "
                 "cache buffers, slower than the default steps with many rows (BENCHMARKS.md: "
-                "45%% at 16 streams); it is meant for a GPU's CUDA graphs"
+                "45% at 16 streams); it is meant for a GPU's CUDA graphs"
             )
         self.graphs = StepGraphs(self.max_rows, record, compile) if graphed else None
         """Decode steps replayed as CUDA graphs (on a GPU, for a reserved cache), compiled
