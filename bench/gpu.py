@@ -9,6 +9,9 @@
   32 (eager, transformers' dynamic cache) and at batch 32 with transformers' static cache, which
   ``generate`` compiles on a GPU (``torch.compile``), against streamed completions at
   concurrency 1 and 32, :data:`MAX_TOKENS` tokens each.
+- ``lora``: :mod:`bench.lora`'s workload (base-model and adapter requests in one batch against
+  the base model alone) on that Llama, where the decode steps of adapter rows replay CUDA
+  graphs.
 
 The targets are issue 32's. Each workload fits well inside one 10-minute command on the device
 (see ``bench/gpu_run.sh``). ``--rehearse`` runs both on this machine's CPU with models of the same
@@ -37,9 +40,12 @@ from .workloads import Settings
 
 logger = logging.getLogger(__name__)
 
+GENERATION_DTYPE_ARGS = ("--dtype", "bfloat16")
+GENERATION_MODEL = "A Llama with TinyLlama-1.1B's dimensions (random weights, bf16)"
+"""The generation model as the LoRA workload's report names it."""
 SERVER_ARGS = {
     "encoder": ("--max_batch_size", "256"),
-    "generation": ("--backend", "huggingface", "--dtype", "bfloat16"),
+    "generation": ("--backend", "huggingface", *GENERATION_DTYPE_ARGS),
 }
 """The server's flags on the GPU, beyond the model: default flags, plus a batch size for the
 encoder that matches the plain torch best batch, and the Llama on the transformers backend (the

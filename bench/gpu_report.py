@@ -104,7 +104,7 @@ def encoder_section(result: GpuEncoderResult) -> list[str]:
     started = ", ".join(f"{label} {s:.0f} s" for label, s in result.startup_s.items())
     return [
         "## GPU encoder: BERT with bert-base's dimensions (hidden 768, 12 layers), random weights"
-        + _rehearsal(result.device, REHEARSAL.bert),
+        + rehearsal_note(result.device, REHEARSAL.bert),
         "",
         "Method. Plain torch: tokenizer + forward + argmax under `torch.inference_mode` on the "
         f"{_where(result.device)}, results copied back to the CPU, padded per batch, fp32 (what "
@@ -132,7 +132,8 @@ def _where(device: str) -> str:
     return "GPU" if device == "cuda" else "CPU"
 
 
-def _rehearsal(device: str, dims: Dims) -> str:
+def rehearsal_note(device: str, dims: Dims) -> str:
+    """What a section's title adds when its figures are a rehearsal's (nothing on a GPU)."""
     if device == "cuda":
         return ""
     return (
@@ -172,7 +173,7 @@ def generation_section(result: GpuGenerationResult) -> list[str]:
     dtype = str(GENERATION_DTYPE).removeprefix("torch.")
     return [
         "## GPU generation: Llama with TinyLlama-1.1B's dimensions, random weights, EOS "
-        f"unreachable, max_tokens={MAX_TOKENS}" + _rehearsal(result.device, REHEARSAL.llama),
+        f"unreachable, max_tokens={MAX_TOKENS}" + rehearsal_note(result.device, REHEARSAL.llama),
         "",
         f"Method. Plain `model.generate` on the {_where(result.device)}, in {dtype} (the "
         "checkpoint's dtype), with transformers' dynamic cache (eager), and at batch "

@@ -12,6 +12,7 @@
 #   bash bench/gpu_run.sh --only generation --output "$OUT/gpu-generation.md"
 #   bash bench/gpu_run.sh --only generation --server-arg=--torch_compile \
 #       --output "$OUT/gpu-generation-compiled.md"   # the decode step compiled inside the graphs
+#   bash bench/gpu_run.sh --only lora --output "$OUT/gpu-lora.md"   # adapter rows in the graphs
 #   bash bench/gpu_run.sh --tests     # the `gpu`-marked tests instead, log in $OUT/gpu-tests.log
 set -euo pipefail
 OUT=${OUT:-.cache/bench/out}

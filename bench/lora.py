@@ -40,10 +40,15 @@ COLUMNS = ("load", "C", "tokens/s (median [min–max])", "of the base alone", "p
            "TTFT p50 / p95 / p99 ms", "errors", "CPU server / client")  # fmt: skip
 
 
+CPU_MODEL = "The benchmark Llama (hidden 512, 4 layers, random weights)"
+"""What :func:`measure` serves, as the report's method names it (the GPU mode gives its own)."""
+
+
 @dataclass
 class LoraResult:
     settings: Settings
     runs: dict[str, list[LoadResult]] = field(default_factory=dict)
+    model: str = CPU_MODEL
 
     def rate(self, mode: str) -> float:
         return statistics.median(run.tokens_per_s for run in self.runs[mode])
@@ -65,7 +70,7 @@ class LoraResult:
         return [
             "## LoRA adapters: base-model and adapter requests in one batch",
             "",
-            "Method. The benchmark Llama (hidden 512, 4 layers, random weights) on the "
+            f"Method. {self.model} on the "
             "transformers backend; two random rank-16 LoRA adapters (q/k/v/o projections) "
             "loaded with PEFT (`--enable-lora --lora-modules`). Streamed completions, greedy, "
             f"exactly {MAX_TOKENS} new tokens each (`ignore_eos`), {CONCURRENCY} at a time: on "
@@ -117,15 +122,25 @@ def in_turn(calls: list[Call]) -> Call:
     return call
 
 
-def measure(model_dir: Path, settings: Settings, cache: Path, log_dir: Path) -> LoraResult:
+def measure(
+    model_dir: Path,
+    settings: Settings,
+    cache: Path,
+    log_dir: Path,
+    model: str = CPU_MODEL,
+    server_args: tuple[str, ...] = (),
+) -> LoraResult:
+    """Both servers of ``model_dir`` (``model``: how the report names it), one after the other,
+    with ``server_args`` beyond the workload's own flags."""
     adapters = build_adapters(model_dir, cache)
     args = ["--model_dir", str(model_dir), "--model_name", MODEL_NAME, "--backend", "huggingface"]
+    args += server_args
     modules = [f"{name}={path}" for name, path in adapters.items()]
     launches = {
         MODES[0]: args,
         MODES[1]: [*args, "--enable-lora", "--lora-modules", *modules],
     }
-    result = LoraResult(settings)
+    result = LoraResult(settings, model=model)
     for number, (mode, mode_args) in enumerate(launches.items()):
         with ExitStack() as stack:
             log_path = log_dir / f"{KEY}-{number}.log"

@@ -257,6 +257,22 @@ def _gpu_generation(context: Context) -> Outcome:
     return Reported(result, generation_section)
 
 
+def _gpu_lora(context: Context) -> Outcome:
+    from . import lora
+    from .gpu import GENERATION_DTYPE_ARGS, GENERATION_MODEL
+    from .gpu_models import REHEARSAL
+    from .gpu_report import rehearsal_note
+
+    return lora.measure(
+        context.gpu_models.tinyllama,
+        context.settings,
+        context.cache,
+        context.log_dir,
+        model=GENERATION_MODEL + rehearsal_note(context.gpu_device, REHEARSAL.llama),
+        server_args=GENERATION_DTYPE_ARGS,
+    )
+
+
 def _no_cuda(context: Context) -> str | None:
     import torch
 
@@ -282,6 +298,7 @@ SUITES = (
     Suite("soak", "cpu", _soak),
     Suite("encoder", "cuda", _gpu_encoder, _no_cuda),
     Suite("generation", "cuda", _gpu_generation, _no_cuda),
+    Suite("lora", "cuda", _gpu_lora, _no_cuda),
 )
 
 

@@ -1,6 +1,7 @@
 """The GPU benchmark rehearsed on this CPU (``python -m bench --device cuda --rehearse``): the
 same runs as on the GPU machine (plain torch in fp32 and fp16, the encoder server in each; eager
-and static-cache ``generate``, the generation server at C=1 and C=32), on the same architectures
+and static-cache ``generate``, the generation server at C=1 and C=32; the LoRA adapters' mixed
+batch against the base model alone), on the same architectures
 a few thousandths the size. A GPU session has minutes; the benchmark must not spend them on a
 bug of its own. The figures are the CPU's and say nothing: the test checks that every run
 happened, answered without errors, and that issue 32's targets were all checked."""
@@ -31,6 +32,7 @@ TARGETS = [
     "gpu generation: streamed completions c=1 >= 0.9x eager generate at batch 1",
     "gpu generation: streamed completions c=32 >= 0.4x static-cache compiled generate at batch 32",
     "gpu generation: TTFT p50 at c=32 <= 500 ms",
+    "LoRA mixed batch vs the base model alone",
 ]
 PLAIN_ROWS = [
     "plain torch fp32, batch 1",
@@ -49,6 +51,8 @@ SERVER_ROWS = [
     ("server fp16, 16 texts per request (V1)", "64"),
     ("server, streamed completions", "1"),
     ("server, streamed completions", "32"),
+    ("base model alone", "16"),
+    ("base + 2 adapters, mixed", "16"),
 ]
 
 
@@ -81,7 +85,7 @@ def test_the_rehearsal_makes_every_run_of_the_gpu_mode_and_checks_every_target(t
     assert len(checked) == len(TARGETS), checked
     for line, target in zip(checked, TARGETS, strict=True):
         assert line.startswith(f"{target}: "), (line, target)
-    assert text.count("REHEARSAL on the CPU") == 2  # both sections say what their figures are
+    assert text.count("REHEARSAL on the CPU") == 3  # every section says what its figures are
     rows = _rows(text)
     for name in PLAIN_ROWS:
         assert (name, "–") in rows, name
