@@ -269,12 +269,13 @@ class ServerConfig:
     max_batch_tokens: int = option(16384, "encoders: padded tokens per forward")
     max_batch_size: int | None = option(
         None,
-        f"sequences per forward (1: off; default: {DEFAULT_MAX_BATCH_SIZE}, "
-        f"or {EXPORT_MAX_BATCH_SIZE} on an ONNX export)",
+        f"sequences per forward (1: off; default: {DEFAULT_MAX_BATCH_SIZE} on a CPU, or "
+        f"{EXPORT_MAX_BATCH_SIZE} on an ONNX export; on a GPU up to 256, see the README)",
     )
     """Encoder batches, and the rows the transformers generation backend decodes together.
-    None: the backend's own (:data:`DEFAULT_MAX_BATCH_SIZE` on torch,
-    :data:`EXPORT_MAX_BATCH_SIZE` for an encoder on its ONNX export)."""
+    None: the backend's own (:data:`DEFAULT_MAX_BATCH_SIZE` on torch on a CPU,
+    :data:`EXPORT_MAX_BATCH_SIZE` for an encoder on its ONNX export; on a GPU
+    :mod:`.backends.pytorch.batch_rows` sizes it)."""
     batch_wait_ms: float = option(2.0, "encoders: wait to fill a batch (ms)")
     """How long a request waits for others to share its forward pass."""
     prefill_chunk_tokens: int = option(

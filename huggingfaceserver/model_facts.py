@@ -1,6 +1,7 @@
 """What the server needs to know of a model besides running it: the context length its config
-declares, the size of the weights it loads, the dtype they are stored in. Each is computed here
-and nowhere else (:attr:`.loading.ModelSource.facts` holds them for the served model).
+declares, the size of the weights it loads, the dtype they are stored in, the shape of its
+attention (what a KV cache holds per token). Each is computed here and nowhere else
+(:attr:`.loading.ModelSource.facts` holds the first three for the served model).
 
 Imports neither torch nor transformers: the supervisor sizes the layout from the weights alone
 (:func:`weight_bytes`), and never reads transformers' config.
@@ -63,6 +64,44 @@ def context_length(config: PretrainedConfig) -> int | None:
     limits = [getattr(text, name, None) for name in CONTEXT_LENGTH_ATTRIBUTES]
     known = [int(limit) for limit in limits if isinstance(limit, int) and limit > 0]
     return min(known) if known else None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a model's KV cache holds per token: keys and values of ``kv_heads`` heads of
+    ``head_size`` in each of ``layers`` layers."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_size * dtype_bytes
+
+
+def attention_shape(text: object) -> AttentionShape | None:
+    """The attention of a model's text config (its ``get_text_config()``); None where the
+    config does not say it in the usual names."""
+    layers = first_int(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
+    size = head_size(text)
+    if not (layers and heads and size):
+        return None
+    return AttentionShape(layers, first_int(text, "num_key_value_heads") or heads, size)
+
+
+def head_size(text: object) -> int | None:
+    """The size of an attention head, from a model's text config (None where it does not say)."""
+    heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
+    if not heads:
+        return None
+    return first_int(text, "head_dim") or (first_int(text, "hidden_size") or 0) // heads or None
+
+
+def first_int(config: object, *names: str) -> int | None:
+    """The first positive integer among these attributes."""
+    values = [v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0]
+    return values[0] if values else None
 
 
 def stored_dtype(config: PretrainedConfig) -> str | None:

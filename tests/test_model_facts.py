@@ -23,8 +23,11 @@ from transformers import (
 
 from huggingfaceserver.model_facts import (
     CONTEXT_LENGTH_ATTRIBUTES,
+    AttentionShape,
     ModelFacts,
+    attention_shape,
     context_length,
+    head_size,
     stored_dtype,
     weight_bytes,
 )
@@ -241,3 +244,24 @@ def test_the_facts_of_a_model_folder(tmp_path):
     files(tmp_path, {"model.safetensors": 64})
     config = AutoConfig.from_pretrained(tmp_path)
     assert ModelFacts.of(config, tmp_path) == ModelFacts(512, 64, "bfloat16")
+
+
+def test_the_attention_shape_of_a_grouped_query_llama():
+    """TinyLlama-1.1B's: 22 layers of 4 KV heads of 64, 22,528 bytes per token in bf16."""
+    config = LlamaConfig(
+        hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4
+    )
+    shape = attention_shape(config.get_text_config())
+    assert shape == AttentionShape(layers=22, kv_heads=4, head_size=64)
+    assert shape.kv_bytes_per_token(2) == 22_528
+
+
+def test_the_attention_shape_under_gpt2_s_names():
+    config = GPT2Config(n_embd=64, n_layer=3, n_head=4)
+    assert attention_shape(config) == AttentionShape(layers=3, kv_heads=4, head_size=16)
+    assert head_size(config) == 16
+
+
+def test_a_config_without_heads_has_no_attention_shape():
+    config = PretrainedConfig()
+    assert attention_shape(config) is None and head_size(config) is None

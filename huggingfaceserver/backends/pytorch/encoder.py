@@ -15,6 +15,7 @@ from ...cli import ServerConfig
 from ...devices import to_device
 from ...loading import ModelSource, device, load_pretrained, resolve_dtype
 from ..tokenizing import EncoderFacts, TokenizingEncoder
+from .batch_rows import encoder_rows
 from .threads import CALIBRATION_SHAPE, calibrate_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class TransformersEncoder(TokenizingEncoder):
             self.device,
             self.max_length,
         )
+
+    def default_max_batch_size(self) -> int:
+        return encoder_rows(self.device.type)
 
     def tune(self) -> None:
         if self.device.type == "cpu":

@@ -26,19 +26,21 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ...cli import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from ...cli import ServerConfig
 from ...errors import BadRequest, StartupError
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
 from ...loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
-from ...model_facts import context_length
+from ...model_facts import attention_shape, context_length
 from ...tasks import Task
+from ...units import GiB, MiB
 from ..base import GenerationBackend, release_weights, unloaded
 from ..loop_calls import LoopCalls
 from ..lora import LoraModule, ServedAdapters, served_adapters
 from ..tokenizing import UNSET_MAX_LENGTH
 from .adapters import InvalidAdapter, LoraAdapters
+from .batch_rows import decode_rows
 from .decode_batch import (
     CausalLMBatch,
     DecodeBatch,
@@ -174,7 +176,7 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
-        self.max_rows = self.config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        self.max_rows = self.config.max_batch_size or self.default_rows(model)
         self.cache_layers = (
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
         )
@@ -232,6 +234,28 @@ class TransformersGenerator(GenerationBackend):
         self.grammars = LazyGrammars.for_tokenizer(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
+
+    def default_rows(self, model: PreTrainedModel) -> int:
+        """Rows decoded together without ``--max_batch_size`` (:mod:`.batch_rows`): on a GPU,
+        as many as the memory free after the weights holds at full context, logged."""
+        if self.device.type != "cuda":
+            return decode_rows(self.device.type, 0, None)
+        shape = attention_shape(model.config.get_text_config())
+        per_row = None
+        if shape is not None:
+            per_row = shape.kv_bytes_per_token(self.dtype.itemsize) * self.max_model_len
+        free = torch.cuda.mem_get_info(self.device)[0]
+        rows = decode_rows(self.device.type, free, per_row)
+        logger.info(
+            "decoding up to %d rows together (a KV cache of %s per row at %d tokens, %.1f GiB "
+            "free on %s after the weights; --max_batch_size sets it)",
+            rows,
+            f"{per_row / MiB:.0f} MiB" if per_row else "unknown size",
+            self.max_model_len,
+            free / GiB,
+            self.device,
+        )
+        return rows
 
     def tune(self) -> None:
         """On CPU, torch's intra-op threads only where they make the loop's forward passes

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...model_facts import head_size
 from . import compat
-from .cache_sizing import head_size
 
 if TYPE_CHECKING:
     from ...loading import ModelSource

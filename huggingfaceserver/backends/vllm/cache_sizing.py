@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...model_facts import attention_shape
 from ...pod import cgroup_memory
 from ...units import GiB, MiB
 
@@ -139,14 +140,8 @@ def vllm_sizes_on_cpu() -> bool:
 def model_memory(source: ModelSource, config: ServerConfig) -> ModelMemory | None:
     """The weights' size at the served dtype and the KV cache's bytes per token (keys and
     values of every layer), from the model's config and facts (:attr:`.ModelSource.facts`)."""
-    text = source.config.get_text_config()
-    layers = first_int(text, "num_hidden_layers", "n_layer", "num_layers")
-    heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
-    if not (layers and heads):
-        return None
-    kv_heads = first_int(text, "num_key_value_heads") or heads
-    head_dim = head_size(text)
-    if not head_dim:
+    shape = attention_shape(source.config.get_text_config())
+    if shape is None:
         return None
     facts = source.facts
     dtype_bytes = DTYPE_BYTES.get(config.dtype, 4)
@@ -156,7 +151,7 @@ def model_memory(source: ModelSource, config: ServerConfig) -> ModelMemory | Non
     kv_bytes = 1 if kv_dtype.startswith("fp8") else DTYPE_BYTES.get(kv_dtype, dtype_bytes)
     return ModelMemory(
         weights=int(facts.weight_bytes * max(scale, 1.0)),
-        bytes_per_token=2 * layers * kv_heads * head_dim * kv_bytes,
+        bytes_per_token=shape.kv_bytes_per_token(kv_bytes),
         context=config.max_length or facts.context_length or DEFAULT_CONTEXT,
         max_num_seqs=flag_int(config, "max-num-seqs") or DEFAULT_MAX_NUM_SEQS,
     )
@@ -169,20 +164,6 @@ def flag_int(config: ServerConfig, name: str) -> int | None:
         return int(values[0]) if values and int(values[0]) > 0 else None
     except ValueError:
         return None
-
-
-def head_size(text: object) -> int | None:
-    """The size of an attention head, from a model's text config (None where it does not say)."""
-    heads = first_int(text, "num_attention_heads", "n_head", "num_heads")
-    if not heads:
-        return None
-    return first_int(text, "head_dim") or (first_int(text, "hidden_size") or 0) // heads or None
-
-
-def first_int(config: object, *names: str) -> int | None:
-    """The first positive integer among these attributes."""
-    values = [v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0]
-    return values[0] if values else None
 
 
 def read_memory(root: Path = Path("/")) -> Memory:

@@ -1,0 +1,62 @@
+"""Rows per batch without ``--max_batch_size``, by device (:mod:`.batch_rows`): the CPU's 16
+everywhere on a CPU; on a GPU 256 for encoders, and for decoding what the free memory holds at
+full context within 16 and 256."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from huggingfaceserver.backends.pytorch.batch_rows import (
+    GPU_ROWS,
+    KV_MEMORY_SHARE,
+    decode_rows,
+    encoder_rows,
+)
+from huggingfaceserver.cli import DEFAULT_MAX_BATCH_SIZE
+from huggingfaceserver.units import GiB
+
+from .generation_helpers import load
+
+TINYLLAMA_ROW = 2048 * 22_528
+"""TinyLlama-1.1B's KV cache at its full 2,048 tokens in bf16 (46 MiB)."""
+LLAMA2_7B_ROW = 4096 * 524_288
+"""Llama-2-7B's at 4,096 tokens in fp16 (2 GiB)."""
+LLAMA3_8B_ROW = 8192 * 131_072
+"""Llama-3-8B's at 8,192 tokens in bf16 (1 GiB)."""
+
+
+def test_a_cpu_keeps_its_16_rows():
+    assert encoder_rows("cpu") == DEFAULT_MAX_BATCH_SIZE == 16
+    assert decode_rows("cpu", 100 * GiB, TINYLLAMA_ROW) == DEFAULT_MAX_BATCH_SIZE
+
+
+def test_a_gpu_batches_256_encoder_rows():
+    assert encoder_rows("cuda") == GPU_ROWS == 256
+
+
+@pytest.mark.parametrize(
+    ("free", "per_row", "rows"),
+    [
+        (135 * GiB, TINYLLAMA_ROW, GPU_ROWS),  # an H200: far more than 256 would fit
+        (64 * GiB, LLAMA3_8B_ROW, int(64 * KV_MEMORY_SHARE)),  # 25
+        (66 * GiB, LLAMA2_7B_ROW, DEFAULT_MAX_BATCH_SIZE),  # 13 would fit: never under 16
+        (135 * GiB, None, DEFAULT_MAX_BATCH_SIZE),  # the attention's shape unknown
+    ],
+)
+def test_a_gpu_decodes_what_its_free_memory_holds_at_full_context(free, per_row, rows):
+    assert decode_rows("cuda", free, per_row) == rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_generator_on_a_gpu_sizes_its_rows_and_says_so(tiny_models, caplog):
+    with caplog.at_level(logging.INFO):
+        backend = load(tiny_models["llama"])
+    try:
+        assert backend.max_rows == GPU_ROWS  # a tiny model's cache: 256 rows fit anywhere
+        assert any("decoding up to 256 rows" in r.getMessage() for r in caplog.records)
+    finally:
+        backend.shutdown()
