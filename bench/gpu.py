@@ -44,12 +44,13 @@ GENERATION_DTYPE_ARGS = ("--dtype", "bfloat16")
 GENERATION_MODEL = "A Llama with TinyLlama-1.1B's dimensions (random weights, bf16)"
 """The generation model as the LoRA workload's report names it."""
 SERVER_ARGS = {
-    "encoder": ("--max_batch_size", "256"),
+    "encoder": (),
     "generation": ("--backend", "huggingface", *GENERATION_DTYPE_ARGS),
 }
-"""The server's flags on the GPU, beyond the model: default flags, plus a batch size for the
-encoder that matches the plain torch best batch, and the Llama on the transformers backend (the
-GPU machine has no vLLM; a rehearsal's CPU may) in bf16 as GPU.md measured it."""
+"""The server's flags on the GPU, beyond the model: default flags (on a GPU 256 encoder rows a
+batch, as plain torch's best batch, and the decode rows sized to the memory), the Llama on the
+transformers backend (the GPU machine has no vLLM; a rehearsal's CPU may) in bf16 as GPU.md
+measured it."""
 ENCODER_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """Plain torch and the server (``--dtype``) in each, by label."""
 ENCODER_NAME, GENERATION_NAME = "bert", "llama"

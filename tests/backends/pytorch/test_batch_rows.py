@@ -17,6 +17,7 @@ from huggingfaceserver.backends.pytorch.batch_rows import (
 )
 from huggingfaceserver.cli import DEFAULT_MAX_BATCH_SIZE
 from huggingfaceserver.units import GiB
+from tests.harness import load_model
 
 from .generation_helpers import load
 
@@ -60,3 +61,14 @@ def test_the_generator_on_a_gpu_sizes_its_rows_and_says_so(tiny_models, caplog):
         assert any("decoding up to 256 rows" in r.getMessage() for r in caplog.records)
     finally:
         backend.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_encoder_on_a_gpu_batches_256_rows(tiny_models):
+    path = tiny_models["bert_sequence_classification"]
+    model = load_model(["--model_dir", str(path), "--backend", "huggingface"])
+    try:
+        assert model.backend.batcher.limits.max_batch_size == GPU_ROWS
+    finally:
+        model.backend.shutdown()
