@@ -40,17 +40,16 @@ from .workloads import Settings
 
 logger = logging.getLogger(__name__)
 
-GENERATION_DTYPE_ARGS = ("--dtype", "bfloat16")
 GENERATION_MODEL = "A Llama with TinyLlama-1.1B's dimensions (random weights, bf16)"
 """The generation model as the LoRA workload's report names it."""
 SERVER_ARGS = {
     "encoder": (),
-    "generation": ("--backend", "huggingface", *GENERATION_DTYPE_ARGS),
+    "generation": ("--backend", "huggingface"),
 }
 """The server's flags on the GPU, beyond the model: default flags (on a GPU 256 encoder rows a
-batch, as plain torch's best batch, and the decode rows sized to the memory), the Llama on the
-transformers backend (the GPU machine has no vLLM; a rehearsal's CPU may) in bf16 as GPU.md
-measured it."""
+batch, as plain torch's best batch; the decode rows sized to the memory; the Llama in its
+checkpoint's bf16), the Llama on the transformers backend (the GPU machine has no vLLM; a
+rehearsal's CPU may)."""
 ENCODER_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """Plain torch and the server (``--dtype``) in each, by label."""
 ENCODER_NAME, GENERATION_NAME = "bert", "llama"
@@ -68,8 +67,8 @@ STATIC_BATCH = 32
 """Plain ``generate`` with the static cache (compiled on a GPU): at this batch size only."""
 MAX_TOKENS = 128
 GENERATION_DTYPE = torch.bfloat16
-"""The checkpoint's dtype, which the server is given (``--dtype bfloat16``; ``auto`` would be
-fp16) and plain ``generate`` uses too."""
+"""The checkpoint's dtype, which the server's ``--dtype auto`` keeps on a GPU and plain
+``generate`` uses too."""
 SINGLE_SHARE = {"fp32": 1.0, "fp16": 0.8}
 """Single-text requests at the highest concurrency: at least this share of plain torch's best
 batched rate in the same dtype."""

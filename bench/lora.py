@@ -128,13 +128,11 @@ def measure(
     cache: Path,
     log_dir: Path,
     model: str = CPU_MODEL,
-    server_args: tuple[str, ...] = (),
 ) -> LoraResult:
-    """Both servers of ``model_dir`` (``model``: how the report names it), one after the other,
-    with ``server_args`` beyond the workload's own flags."""
+    """Both servers of ``model_dir`` (``model``: how the report names it), one after the
+    other."""
     adapters = build_adapters(model_dir, cache)
     args = ["--model_dir", str(model_dir), "--model_name", MODEL_NAME, "--backend", "huggingface"]
-    args += server_args
     modules = [f"{name}={path}" for name, path in adapters.items()]
     launches = {
         MODES[0]: args,

@@ -259,7 +259,7 @@ def _gpu_generation(context: Context) -> Outcome:
 
 def _gpu_lora(context: Context) -> Outcome:
     from . import lora
-    from .gpu import GENERATION_DTYPE_ARGS, GENERATION_MODEL
+    from .gpu import GENERATION_MODEL
     from .gpu_models import REHEARSAL
     from .gpu_report import rehearsal_note
 
@@ -269,7 +269,6 @@ def _gpu_lora(context: Context) -> Outcome:
         context.cache,
         context.log_dir,
         model=GENERATION_MODEL + rehearsal_note(context.gpu_device, REHEARSAL.llama),
-        server_args=GENERATION_DTYPE_ARGS,
     )
 
 

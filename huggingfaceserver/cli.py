@@ -234,7 +234,12 @@ class ServerConfig:
     """A Hub id or a local folder."""
     model_revision: str | None = option(None, "Hub revision for weights and config")
     tokenizer_revision: str | None = option(None, "Hub revision for the tokenizer")
-    dtype: str = option("auto", "weights dtype (auto: fp16 GPU, fp32 CPU)", choices=DTYPES)
+    dtype: str = option(
+        "auto",
+        "weights dtype (auto: fp32 on CPU and for encoders; generation on GPU: bf16 for a "
+        "bf16 checkpoint, else fp16)",
+        choices=DTYPES,
+    )
     task: Task | None = option(None, f"one of {', '.join(t.value for t in Task)}", type=_task)
     """Inferred from the model's config when not given."""
     backend: str = option("auto", "inference backend", choices=BACKENDS)

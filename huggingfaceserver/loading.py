@@ -199,15 +199,27 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_dtype(flag: str, task: Task, on_gpu: bool) -> torch.dtype:
-    """``--dtype``: ``auto`` is float16 on GPU and float32 on CPU; encoders default to float32."""
+def resolve_dtype(
+    flag: str, task: Task, on_gpu: bool, stored: str | None = None, bf16: bool = False
+) -> torch.dtype:
+    """``--dtype``: ``auto`` is float32 on a CPU and for encoders; a generative model on a GPU
+    runs in half precision: bfloat16 where its weights are stored in it (``stored``, torch's
+    name) and the GPU computes in it (``bf16``: :func:`gpu_bf16`), as vLLM's ``auto`` does (a
+    bf16 model's activations may overflow float16), else float16."""
     import torch
 
     if flag != "auto":
         return getattr(torch, DTYPE_NAMES[flag])
     if task.is_generative and on_gpu:
-        return torch.float16
+        return torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
     return torch.float32
+
+
+def gpu_bf16() -> bool:
+    """Whether this machine's GPU computes in bfloat16 (compute capability 8.0 and later)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
 def load_pretrained(

@@ -246,6 +246,23 @@ def test_auto_dtype_on_gpu_is_half_for_generation_only(task):
 
 
 @pytest.mark.parametrize(
+    ("stored", "bf16", "expected"),
+    [
+        ("bfloat16", True, torch.bfloat16),  # as vLLM's auto: a bf16 model stays in bf16
+        ("bfloat16", False, torch.float16),  # a GPU before compute capability 8.0
+        ("float32", True, torch.float16),
+        ("float16", True, torch.float16),
+        (None, True, torch.float16),
+    ],
+)
+def test_auto_dtype_on_gpu_keeps_a_bf16_checkpoint_where_the_gpu_can(stored, bf16, expected):
+    assert resolve_dtype("auto", Task.text_generation, True, stored, bf16) is expected
+    assert resolve_dtype("auto", Task.fill_mask, True, stored, bf16) is torch.float32
+    assert resolve_dtype("auto", Task.text_generation, False, stored, bf16) is torch.float32
+    assert resolve_dtype("float16", Task.text_generation, True, stored, bf16) is torch.float16
+
+
+@pytest.mark.parametrize(
     ("flag", "dtype"),
     [
         ("float16", torch.float16),

@@ -31,7 +31,14 @@ from ...errors import BadRequest, StartupError
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
-from ...loading import ModelSource, device, load_pretrained, load_tokenizer, resolve_dtype
+from ...loading import (
+    ModelSource,
+    device,
+    gpu_bf16,
+    load_pretrained,
+    load_tokenizer,
+    resolve_dtype,
+)
 from ...model_facts import attention_shape, context_length
 from ...tasks import Task
 from ...units import GiB, MiB
@@ -142,7 +149,9 @@ class TransformersGenerator(GenerationBackend):
         self.source = source
         self.config = config
         self.device = device()
-        self.dtype = resolve_dtype(config.dtype, source.task, self.device.type == "cuda")
+        on_gpu = self.device.type == "cuda"
+        stored = source.facts.dtype if on_gpu else None
+        self.dtype = resolve_dtype(config.dtype, source.task, on_gpu, stored, gpu_bf16())
         self.adapters: ServedAdapters = served_adapters(config)
         """LoRA adapters, each served under its own model name (loaded with the model)."""
         self.lora: LoraAdapters | None = None
