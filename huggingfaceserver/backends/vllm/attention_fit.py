@@ -26,8 +26,10 @@ def attention_refusal(source: ModelSource, on_cpu: bool | None = None) -> str | 
         from vllm.platforms import current_platform
 
         on_cpu = bool(current_platform.is_cpu())
-    backend = compat.CPUAttentionBackend
-    if not on_cpu or backend is None:
+    if not on_cpu:
+        return None
+    backend = compat.cpu_attention_backend()
+    if backend is None:
         return None
     size = head_size(source.config.get_text_config())
     if size is None or backend.supports_head_size(size):

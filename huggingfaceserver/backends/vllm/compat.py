@@ -46,11 +46,6 @@ except ImportError:  # older releases: a class nothing raises
         pass
 
 
-try:  # the attention of vLLM's CPU build: kernels for a fixed set of head sizes
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-except ImportError:  # a build without it, or a release where it moved: not checked
-    CPUAttentionBackend = None  # type: ignore[assignment, misc]
-
 VERSION: str = vllm.__version__
 DELTA = RequestOutputKind.DELTA
 
@@ -61,13 +56,13 @@ __all__ = [
     "DELTA",
     "VERSION",
     "AsyncEngine",
-    "CPUAttentionBackend",
     "EngineDeadError",
     "FlexibleArgumentParser",
     "LoRARequest",
     "ParamsError",
     "StructuredOutputsParams",
     "TokensPrompt",
+    "cpu_attention_backend",
     "embed_params",
     "engine_flag_names",
     "engine_parser",
@@ -96,6 +91,17 @@ def engine_flag_names() -> frozenset[str]:
         if option.startswith("--")
     }
     return frozenset(names | FRONTEND_FLAGS)
+
+
+def cpu_attention_backend() -> Any:
+    """The attention backend of vLLM's CPU build (its kernels take a fixed set of head sizes:
+    ``supports_head_size``, ``get_supported_head_sizes``); None in a release where it moved.
+    Imported when asked, on a CPU only: it brings in vLLM's model layers."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return CPUAttentionBackend
 
 
 def supported_architectures() -> set[str]:
