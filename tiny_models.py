@@ -266,10 +266,10 @@ def _labels(names):
     }
 
 
-def build_bert_fill_mask(out_dir: str | Path) -> Path:
-    """BertForMaskedLM for the fill-mask task."""
+def build_bert_fill_mask(out_dir: str | Path, **sizes: Any) -> Path:
+    """BertForMaskedLM for the fill-mask task (``sizes``: BertConfig's, over the tiny ones)."""
     tokenizer = train_wordpiece_tokenizer(out_dir)
-    return _save_model(BertForMaskedLM, _bert_config(tokenizer), out_dir)
+    return _save_model(BertForMaskedLM, _bert_config(tokenizer, **sizes), out_dir)
 
 
 def build_bert_token_classification(out_dir: str | Path) -> Path:
@@ -504,6 +504,8 @@ def build_encoder_architecture(
 
 BUILDERS: dict[str, Callable[[str | Path], Path]] = {
     "bert_fill_mask": build_bert_fill_mask,
+    # head size 32, which vLLM's CPU attention takes: its refusals are about the task, not this
+    "bert_fill_mask64": partial(build_bert_fill_mask, hidden_size=64),
     "bert_token_classification": build_bert_token_classification,
     "bert_sequence_classification": build_bert_sequence_classification,
     "distilbert_sequence_classification": build_distilbert_sequence_classification,

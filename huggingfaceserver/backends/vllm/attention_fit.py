@@ -35,4 +35,5 @@ def attention_refusal(source: ModelSource, on_cpu: bool | None = None) -> str | 
     if size is None or backend.supports_head_size(size):
         return None
     sizes = ", ".join(map(str, backend.get_supported_head_sizes()))
-    return f"vLLM's CPU attention does not take the model's head size {size} (only {sizes})"
+    model = ", ".join(source.architectures) or "the model"
+    return f"vLLM's CPU attention does not take {model}'s head size {size} (only {sizes})"

@@ -72,7 +72,7 @@ def test_bad_input_is_still_a_400(server):
 def test_other_encoder_tasks_on_vllm_are_a_startup_error(tiny_models):
     result = subprocess.run(
         [sys.executable, "-m", "huggingfaceserver", "--backend", "vllm",
-         "--model_dir", str(tiny_models["bert_fill_mask"])],
+         "--model_dir", str(tiny_models["bert_fill_mask64"])],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 1
