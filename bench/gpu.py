@@ -169,6 +169,8 @@ class GpuGenerationResult:
     startup_s: float = math.nan
     settings: Settings = GPU_SETTINGS
     device: str = "cuda"
+    server_said: list[str] = field(default_factory=list)
+    """How the server said it runs the model (:func:`said`)."""
 
     def tokens_per_s(self, concurrency: int) -> float:
         return statistics.median(run.tokens_per_s for run in self.runs[concurrency])
@@ -311,6 +313,7 @@ def measure_generation(
             dtype=GENERATION_DTYPE,
             cache_implementation=cache,
         )
+        torch.compiler.reset()  # the compiled forward and its graphs' memory go with the model
         _free_gpu()
     result = GpuGenerationResult(
         plain["eager"], plain["static cache"], settings=settings, device=device
@@ -318,7 +321,8 @@ def measure_generation(
     args = ["--model_dir", str(path.resolve()), "--model_name", GENERATION_NAME]
     args += [*SERVER_ARGS["generation"], *settings.server_args]
     logger.info("gpu generation: python -m huggingfaceserver %s", " ".join(args))
-    with server.serving(args, log_dir / "gpu-generation.log") as running:
+    log = log_dir / "gpu-generation.log"
+    with server.serving(args, log) as running:
         result.startup_s = running.ready_s
         call = routes.openai_completion_stream(running.url, GENERATION_NAME, prompts, MAX_TOKENS)
         pid = running.process.pid
@@ -338,4 +342,24 @@ def measure_generation(
                     run.tokens_per_s,
                     len(run.errors),
                 )
+    result.server_said = said(log.read_text(errors="replace"))
     return result
+
+
+SAID = ("backend ", "loaded ", "decoding up to ", "decode steps compiled", "intra-op threads")
+"""The server's log lines that say how it runs the model (the report quotes them)."""
+WARNINGS_QUOTED = 5
+
+
+def said(log: str) -> list[str]:
+    """The first of each of :data:`SAID`'s lines in a server's log, then its first
+    :data:`WARNINGS_QUOTED` warnings (a step that could not be recorded, say), without their
+    prefixes."""
+    lines = log.splitlines()
+    quoted = []
+    for start in SAID:
+        found = next((line for line in lines if f" INFO {start}" in line), None)
+        if found is not None:
+            quoted.append(found.split(" INFO ", 1)[1])
+    warnings = [line.split(" WARNING ", 1)[1] for line in lines if " WARNING " in line]
+    return quoted + [f"warning: {line}" for line in warnings[:WARNINGS_QUOTED]]

@@ -189,6 +189,8 @@ def generation_section(result: GpuGenerationResult) -> list[str]:
         "",
         *table(GENERATION_COLUMNS, rows),
         "",
-        f"Server start to ready: {result.startup_s:.0f} s.",
+        f"Server start to ready: {result.startup_s:.0f} s. Its log on how it runs the model:",
+        "",
+        *(f"- `{line}`" for line in result.server_said),
         "",
     ]

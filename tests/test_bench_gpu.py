@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from bench.__main__ import parse_args
-from bench.gpu import REHEARSAL_SETTINGS, measure_encoder
+from bench.gpu import REHEARSAL_SETTINGS, measure_encoder, said
 from bench.gpu_models import GpuModels
 
 from .harness import REPO
@@ -86,6 +86,8 @@ def test_the_rehearsal_makes_every_run_of_the_gpu_mode_and_checks_every_target(t
     for line, target in zip(checked, TARGETS, strict=True):
         assert line.startswith(f"{target}: "), (line, target)
     assert text.count("REHEARSAL on the CPU") == 3  # every section says what its figures are
+    assert "- `backend huggingface: --backend huggingface`" in text  # the server's own word
+    assert "- `loaded LlamaForCausalLM (" in text
     rows = _rows(text)
     for name in PLAIN_ROWS:
         assert (name, "–") in rows, name
@@ -109,3 +111,23 @@ def test_the_encoder_workload_keeps_its_own_dtypes(tmp_path, flag):
     settings = dataclasses.replace(REHEARSAL_SETTINGS, server_args=flag)
     with pytest.raises(SystemExit, match="drop --dtype"):
         measure_encoder(GpuModels(tmp_path), settings, tmp_path, "cpu")
+
+
+def test_the_report_quotes_how_the_server_said_it_runs_the_model():
+    log = "\n".join(
+        [
+            "2026-11-29 12:00:00.000 1 huggingfaceserver.assembly INFO backend huggingface: why",
+            "2026-11-29 12:00:00.100 1 huggingfaceserver.server INFO 2 front processes",
+            "2026-11-29 12:00:01.000 1 huggingfaceserver.backends.pytorch.generator INFO "
+            "decoding up to 256 rows together (...)",
+            "2026-11-29 12:00:02.000 1 huggingfaceserver.backends.pytorch.generator INFO "
+            "decoding up to 16 rows together (a second load)",
+            "2026-11-29 12:00:03.000 1 huggingfaceserver.backends.pytorch.step_graphs WARNING "
+            "recording failed (...): eager from now on",
+        ]
+    )
+    assert said(log) == [
+        "backend huggingface: why",
+        "decoding up to 256 rows together (...)",
+        "warning: recording failed (...): eager from now on",
+    ]
