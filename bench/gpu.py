@@ -116,6 +116,8 @@ class GpuEncoderResult:
     runs: dict[tuple[str, int, int], list[FastResult]] = field(default_factory=dict)
     startup_s: dict[str, float] = field(default_factory=dict)
     """The server's start to ready, by dtype label."""
+    server_said: dict[str, list[str]] = field(default_factory=dict)
+    """How the server said it runs the model (:func:`said`), by dtype label."""
     settings: Settings = GPU_SETTINGS
     device: str = "cuda"
 
@@ -232,8 +234,9 @@ def _encoder_server(
     args += [*SERVER_ARGS["encoder"], "--dtype", dtype, *settings.server_args]
     logger.info("gpu encoder: python -m huggingfaceserver %s", " ".join(args))
     loads = [(1, c) for c in SINGLE_CONCURRENCY] + [(MULTI_TEXTS, MULTI_CONCURRENCY)]
+    log = log_dir / f"gpu-encoder-{label}.log"
     with (
-        server.serving(args, log_dir / f"gpu-encoder-{label}.log") as running,
+        server.serving(args, log) as running,
         LoadClients(CLIENT_PROCESSES) as clients,
     ):
         result.startup_s[label] = running.ready_s
@@ -260,6 +263,7 @@ def _encoder_server(
                     run.requests_per_s * per_request,
                     run.error_count,
                 )
+    result.server_said[label] = said(log.read_text(errors="replace"))
 
 
 def measure_encoder(
@@ -346,7 +350,14 @@ def measure_generation(
     return result
 
 
-SAID = ("backend ", "loaded ", "decoding up to ", "decode steps compiled", "intra-op threads")
+SAID = (
+    "backend ",
+    "loaded ",
+    "batches of up to ",
+    "decoding up to ",
+    "decode steps compiled",
+    "intra-op threads",
+)
 """The server's log lines that say how it runs the model (the report quotes them)."""
 WARNINGS_QUOTED = 5
 

@@ -123,7 +123,9 @@ def encoder_section(result: GpuEncoderResult) -> list[str]:
         + "; ".join(_by_batch(label, ceiling) for label, ceiling in result.plain.items())
         + ".",
         "",
-        f"Server start to ready: {started}.",
+        f"Server start to ready: {started}. Its log on how it runs the model:",
+        "",
+        *(f"- {label}: `{line}`" for label, lines in result.server_said.items() for line in lines),
         "",
     ]
 

@@ -88,6 +88,8 @@ def test_the_rehearsal_makes_every_run_of_the_gpu_mode_and_checks_every_target(t
     assert text.count("REHEARSAL on the CPU") == 3  # every section says what its figures are
     assert "- `backend huggingface: --backend huggingface`" in text  # the server's own word
     assert "- `loaded LlamaForCausalLM (" in text
+    for dtype in ("fp32", "fp16"):
+        assert f"- {dtype}: `batches of up to " in text
     rows = _rows(text)
     for name in PLAIN_ROWS:
         assert (name, "–") in rows, name

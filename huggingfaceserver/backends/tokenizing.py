@@ -215,6 +215,11 @@ class TokenizingEncoder(EncoderBackend):
             self.config.batch_wait_ms / 1000,
         )
         self.batcher = EncoderBatcher(self.run_rows, pad_values, limits, self.config.model_name)
+        logger.info(
+            "batches of up to %d rows and %d padded tokens (--max_batch_size, --max_batch_tokens)",
+            limits.max_batch_size,
+            limits.max_batch_tokens,
+        )
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.source, self.config)
