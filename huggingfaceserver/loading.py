@@ -215,6 +215,13 @@ def resolve_dtype(
     return torch.float32
 
 
+def served_dtype(config: ServerConfig, source: ModelSource, on_gpu: bool) -> torch.dtype:
+    """The dtype the model is served in (:func:`resolve_dtype`), given what its weights are
+    stored in and whether the GPU computes in bfloat16 (both asked on a GPU only)."""
+    stored = source.facts.dtype if on_gpu else None
+    return resolve_dtype(config.dtype, source.task, on_gpu, stored, on_gpu and gpu_bf16())
+
+
 def gpu_bf16() -> bool:
     """Whether this machine's GPU computes in bfloat16 (compute capability 8.0 and later)."""
     import torch

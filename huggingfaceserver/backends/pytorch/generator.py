@@ -31,14 +31,7 @@ from ...errors import BadRequest, StartupError
 from ...generation.constraints import LazyGrammars
 from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
-from ...loading import (
-    ModelSource,
-    device,
-    gpu_bf16,
-    load_pretrained,
-    load_tokenizer,
-    resolve_dtype,
-)
+from ...loading import ModelSource, device, load_pretrained, load_tokenizer, served_dtype
 from ...model_facts import attention_shape, context_length
 from ...tasks import Task
 from ...units import GiB, MiB
@@ -149,9 +142,7 @@ class TransformersGenerator(GenerationBackend):
         self.source = source
         self.config = config
         self.device = device()
-        on_gpu = self.device.type == "cuda"
-        stored = source.facts.dtype if on_gpu else None
-        self.dtype = resolve_dtype(config.dtype, source.task, on_gpu, stored, gpu_bf16())
+        self.dtype = served_dtype(config, source, self.device.type == "cuda")
         self.adapters: ServedAdapters = served_adapters(config)
         """LoRA adapters, each served under its own model name (loaded with the model)."""
         self.lora: LoraAdapters | None = None
@@ -203,14 +194,10 @@ class TransformersGenerator(GenerationBackend):
         if self.mixes:
             logger.info("new prompts are fed in the running rows' decode steps")
         compiles = self.config.torch_compile
-        graphed = records_steps(
-            self.ready_masks,
-            self.device.type,
-            self.config.enforce_eager,
-            self.lora is not None,
-            compiles,
-        )
         lora = self.lora is not None
+        graphed = records_steps(
+            self.ready_masks, self.device.type, self.config.enforce_eager, lora, compiles
+        )
         if compiles and (lora or not graphed):
             logger.warning(
                 "--torch_compile: decode steps run uncompiled (%s)",

@@ -9,7 +9,7 @@ from vllm import AsyncEngineArgs
 
 from ...cli import ServerConfig
 from ...errors import StartupError
-from ...loading import ModelSource, gpu_bf16, resolve_dtype
+from ...loading import ModelSource, served_dtype
 from .compat import (
     VERSION,
     engine_flag_names,
@@ -39,9 +39,7 @@ def engine_argv(
     """The argv vLLM's parser reads: our settings first, the user's engine flags after them
     (so an explicit vLLM flag such as ``--dtype`` or ``--tensor-parallel-size`` wins).
     ``kv_cache_bytes``: the KV cache as :mod:`.cache_sizing` sized it."""
-    on_gpu = torch.cuda.is_available()
-    stored = source.facts.dtype if on_gpu else None
-    dtype = resolve_dtype(config.dtype, source.task, on_gpu, stored, gpu_bf16())
+    dtype = served_dtype(config, source, torch.cuda.is_available())
     argv = [
         "--model", str(source.path),
         "--tokenizer", str(source.tokenizer_path),
