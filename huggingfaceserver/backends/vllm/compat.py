@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 import vllm
@@ -81,15 +82,17 @@ def engine_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_options() -> frozenset[str]:
+    """Every long option of vLLM's engine parser (``--max-model-len``), as its usage line
+    writes them: argparse lists its options publicly only there."""
+    usage = engine_parser().format_usage()
+    return frozenset(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", usage))
+
+
 def engine_flag_names() -> frozenset[str]:
     """Every engine flag of the installed vLLM, dashed, without ``--``; plus the front-end
     flags we translate."""
-    names = {
-        option[2:].replace("_", "-")
-        for action in engine_parser()._actions  # noqa: SLF001 - argparse has no public view
-        for option in action.option_strings
-        if option.startswith("--")
-    }
+    names = {option[2:].replace("_", "-") for option in engine_options()}
     return frozenset(names | FRONTEND_FLAGS)
 
 
@@ -131,8 +134,7 @@ def translate_speculative_flags(flags: dict[str, list[str]]) -> dict[str, list[s
 
 def pooling_runner_flags() -> list[str]:
     """Engine flags that make vLLM run a model as an embedding (pooling) model."""
-    options = {o for a in engine_parser()._actions for o in a.option_strings}  # noqa: SLF001
-    return ["--runner", "pooling"] if "--runner" in options else ["--task", "embed"]
+    return ["--runner", "pooling"] if "--runner" in engine_options() else ["--task", "embed"]
 
 
 def embed_params() -> PoolingParams:

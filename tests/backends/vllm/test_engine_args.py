@@ -176,7 +176,9 @@ def test_engine_flag_names_come_from_vllms_engine_arguments():
     names = engine_flag_names()
     assert {"max-num-seqs", "kv-cache-dtype", "enforce-eager", "tensor-parallel-size"} <= names
     assert {"lora-modules", "speculative-model", "num-speculative-tokens"} <= names
+    assert "no-enable-prefix-caching" in names  # a boolean's negation is a flag too
     assert all(not name.startswith("-") and "_" not in name for name in names)
+    assert all(name == name.lower() for name in names)  # no metavar (``MAX_MODEL_LEN``)
 
 
 def flag_missing_from_the_static_list() -> str:
