@@ -219,6 +219,12 @@ def _long_output(context: Context) -> Outcome:
     return Reported(result, long_output_report.section)
 
 
+def _kv_budget(context: Context) -> Outcome:
+    from . import kv_budget
+
+    return kv_budget.measure(context.models.long_llama, context.settings, context.log_dir)
+
+
 def _host_cost(context: Context) -> Outcome:
     from . import host_cost
 
@@ -292,6 +298,7 @@ SUITES = (
     Suite("runtimes", "cpu", _runtimes),
     Suite("variants", "cpu", _variants),
     Suite("long_output", "cpu", _long_output),
+    Suite("kv_budget", "cpu", _kv_budget),
     Suite("host_cost", "cpu", _host_cost),
     Suite("resilience", "cpu", _resilience),
     Suite("soak", "cpu", _soak),

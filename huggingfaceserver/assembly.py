@@ -16,10 +16,16 @@ from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel,
 logger = logging.getLogger(__name__)
 
 TRANSFORMERS_ENGINE_FLAGS = frozenset(
-    {"enable-lora", "lora-modules", "async-scheduling", "no-async-scheduling"}
+    {
+        "enable-lora",
+        "lora-modules",
+        "async-scheduling",
+        "no-async-scheduling",
+        "kv-cache-memory-bytes",
+    }
 )
 """vLLM engine flags that the transformers backend honours too (LoRA adapters with PEFT;
-decode steps queued ahead)."""
+decode steps queued ahead; its KV cache's size)."""
 
 
 def local_backend(

@@ -27,7 +27,7 @@ from .errors import StartupError
 from .generation.reasoning import REASONING_PARSERS
 from .generation.tool_parsers import TOOL_PARSERS
 from .tasks import Task
-from .units import MiB
+from .units import MiB, parse_bytes
 
 DTYPES = ("auto", "float16", "float32", "bfloat16", "float", "half")
 BACKENDS = ("auto", "huggingface", "onnx", "openvino", "vllm")
@@ -76,7 +76,8 @@ KNOWN_VLLM_ENGINE_FLAGS = frozenset(
     enable-chunked-prefill enable-expert-parallel enable-lora
     enable-prefix-caching enable-prompt-embeds fully-sharded-loras
     generation-config gpu-memory-utilization guided-decoding-backend hf-config-path hf-overrides
-    kv-cache-dtype kv-transfer-config limit-mm-per-prompt load-format logits-processor-pattern
+    kv-cache-dtype kv-cache-memory-bytes kv-transfer-config limit-mm-per-prompt load-format
+    logits-processor-pattern
     lora-dtype lora-extra-vocab-size lora-modules max-cpu-loras max-logprobs max-lora-rank
     max-loras max-num-batched-tokens max-num-partial-prefills max-num-seqs
     max-parallel-loading-workers
@@ -427,6 +428,13 @@ class ServerConfig:
         return True if "async-scheduling" in self.engine_flags else None
 
     @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """vLLM's ``--kv-cache-memory-bytes``, honoured by the transformers backend too: the
+        memory its decode loop's KV cache may take; None: not given (each backend sizes it)."""
+        values = self.engine_flags.get(KV_CACHE_MEMORY_FLAG)
+        return parse_bytes(values[0]) if values else None
+
+    @property
     def encode_lower_case(self) -> bool | None:
         """``do_lower_case`` for the tokenizer: False when disabled, else the tokenizer's own."""
         return False if self.disable_lower_case else None
@@ -618,6 +626,7 @@ def parse_args(
     if unknown or strays:
         parser.error("unrecognized arguments: " + " ".join(unknown + strays))
     _check_switches(parser, flags, typed)
+    _check_size(parser, flags, typed)
     values = vars(namespace)
     own = {name: values.pop(name) for name in flag_fields()}
     server = KServeFlags(**{f.name: values.pop(f.name) for f in fields(KServeFlags)})
@@ -667,6 +676,8 @@ def _check_values(parser: argparse.ArgumentParser, own: dict[str, Any]) -> None:
         parser.error("give --default_prompt or --default_prompt_name, not both")
 
 
+KV_CACHE_MEMORY_FLAG = "kv-cache-memory-bytes"
+"""vLLM's engine flag for its KV cache's size; the transformers backend honours it too."""
 ENGINE_SWITCHES = (("async-scheduling", "no-async-scheduling"),)
 """vLLM engine flags that take no value, each with its negation."""
 
@@ -681,6 +692,25 @@ def _check_switches(
                 parser.error(f"{typed[name]} takes no value (got {' '.join(flags[name])})")
         if all(name in flags for name in switch):
             parser.error(" and ".join(typed[name] for name in switch) + ": give one")
+
+
+def _check_size(
+    parser: argparse.ArgumentParser, flags: dict[str, list[str]], typed: dict[str, str]
+) -> None:
+    """``--kv-cache-memory-bytes`` takes one positive size (vLLM's parser checks it again
+    where vLLM serves; the transformers backend reads it too)."""
+    if KV_CACHE_MEMORY_FLAG not in flags:
+        return
+    values = flags[KV_CACHE_MEMORY_FLAG]
+    name = typed[KV_CACHE_MEMORY_FLAG]
+    if len(values) != 1:
+        parser.error(f"{name} takes one size (2G, 2147483648), got {len(values)} values")
+    try:
+        size = parse_bytes(values[0])
+    except ValueError as exc:
+        parser.error(f"{name}: {exc}")
+    if size <= 0:
+        parser.error(f"{name} must be more than 0 bytes")
 
 
 def _check_combinations(

@@ -7,7 +7,8 @@ limits are in the process's cgroup. Read (cgroup v1 and v2, hybrid hosts include
 - cores: the fewest of the CPU affinity and the CPU quota rounded up (v2 ``cpu.max``, v1
   ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), at least 1;
 - memory: v2 ``memory.max``, v1 ``memory.limit_in_bytes``, and what the cgroup with that limit
-  uses now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
+  uses now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``); the memory available now
+  (``/proc/meminfo``'s ``MemAvailable``, within what the cgroup may still take).
 
 The cgroup mounts come from ``/proc/self/mountinfo`` (the usual places under ``/sys/fs/cgroup``
 when it cannot be read) and the process's cgroup from ``/proc/self/cgroup``. Each limit is read
@@ -24,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .units import GiB
+from .units import GiB, MiB
 
 UNLIMITED_MEMORY = 1 << 62
 """A v1 ``memory.limit_in_bytes`` at or above this is "no limit" (the kernel writes
@@ -52,6 +53,45 @@ class PodLimits:
 
 def gib(size: int) -> str:
     return f"{size / GiB:.1f} GiB"
+
+
+def human(size: int) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / MiB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes this process can have now, and where that figure comes from."""
+
+    available: int
+    where: str
+
+
+def available_memory(root: Path = Path("/")) -> Memory:
+    """Memory available now on this host, within what the cgroup may still take."""
+    return within_cgroup(host_memory(root), root)
+
+
+def within_cgroup(memory: Memory, root: Path = Path("/")) -> Memory:
+    """``memory``, or what the cgroup may still take before its limit where that is less."""
+    cgroup = cgroup_memory(root)
+    if cgroup is not None and cgroup.free < memory.available:
+        return Memory(cgroup.free, f"the cgroup (limit {human(cgroup.limit)})")
+    return memory
+
+
+def host_memory(root: Path) -> Memory:
+    return Memory(meminfo(root / "proc/meminfo").get("MemAvailable", 0), "this host")
+
+
+def meminfo(path: Path) -> dict[str, int]:
+    """``/proc/meminfo`` or a NUMA node's ``meminfo``, in bytes."""
+    info = {}
+    for line in path.read_text().splitlines():
+        match = re.search(r"([\w()]+):\s+(\d+)\s*kB", line)
+        if match:
+            info[match.group(1)] = int(match.group(2)) * 1024
+    return info
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ LAYERS = (
     "pod",
     "errors",
     "devices",
+    "heap",
     "units",
     "",  # the package itself (its version)
 )

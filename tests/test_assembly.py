@@ -1,6 +1,6 @@
 """Which vLLM engine flags the transformers backend reports as ignored: not those it honours
-too (LoRA adapters, ``--async-scheduling`` and its negation); ``--torch_compile`` reported as
-ignored by the other backends."""
+too (LoRA adapters, ``--async-scheduling`` and its negation, ``--kv-cache-memory-bytes``);
+``--torch_compile`` reported as ignored by the other backends."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from huggingfaceserver.cli import parse_args
 @pytest.mark.parametrize("switch", ["--async-scheduling", "--no-async-scheduling"])
 def test_the_transformers_backend_names_only_the_engine_flags_it_ignores(caplog, switch):
     config = parse_args(
-        ["--model_dir", "/models/llama", "--max-num-seqs", "8", switch, "--enable-lora"]
+        [
+            *("--model_dir", "/models/llama", "--max-num-seqs", "8", switch, "--enable-lora"),
+            *("--kv-cache-memory-bytes", "1G"),
+        ]
     )
     logger = logging.getLogger("huggingfaceserver.assembly")
     logger.addHandler(caplog.handler)  # the package logger may not propagate

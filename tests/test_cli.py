@@ -427,6 +427,37 @@ def test_async_scheduling_with_a_value_or_its_negation_exits_2(argv, message, ca
     assert message in usage_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], None),
+        (["--kv-cache-memory-bytes", "2G"], 2 << 30),
+        (["--kv_cache_memory_bytes=2.5g"], 2_500_000_000),
+        (["--kv-cache-memory-bytes", "1048576"], 1 << 20),
+    ],
+)
+def test_kv_cache_memory_bytes_is_vllms_size(argv, expected):
+    """vLLM's flag, in vLLM's units (upper case binary, lower case decimal), kept as an engine
+    flag and read by the transformers backend too."""
+    config = parse_args(["--model_dir", "/models/llama", *argv])
+    assert config.kv_cache_memory_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("lots", "'lots' is not a size"),
+        ("1.5G", "no decimals with a binary suffix"),
+        ("0", "must be more than 0 bytes"),
+    ],
+)
+def test_a_kv_cache_memory_bytes_that_is_no_size_exits_2(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model_dir", "/models/llama", "--kv-cache-memory-bytes", value])
+    assert exit_info.value.code == 2
+    assert message in usage_error(capsys)
+
+
 def test_tensor_input_names_is_a_tuple():
     config = parse_args(["--tensor_input_names", "input_ids, attention_mask,"])
     assert config.tensor_input_names == ("input_ids", "attention_mask")

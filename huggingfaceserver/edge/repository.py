@@ -14,11 +14,8 @@ hands the freed heap back to the OS.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import gc
 import logging
-import platform
 from collections.abc import Awaitable, Callable
 
 from kserve.errors import ModelNotFound
@@ -26,6 +23,7 @@ from kserve.model_repository import ModelRepository
 from kserve.protocol.model_repository_extension import ModelRepositoryExtension
 
 from ..errors import NotReady
+from ..heap import trim_heap
 from ..protocols.kserve_model import BackendModel
 
 logger = logging.getLogger(__name__)
@@ -98,20 +96,4 @@ def return_freed_memory() -> None:
     gc.collect()
     if frozen:
         gc.freeze()
-    trim = malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, which hands the free pages of the heap back to the OS; None
-    on other C libraries. glibc keeps freed memory for the next allocation: an unloaded ONNX
-    Runtime session's 100 MB stayed resident until the next load (measured on MiniLM's
-    classifier: 550 MB resident while unloaded, 400 MB with the trim)."""
-    if platform.libc_ver()[0] != "glibc":
-        return None
-    function = ctypes.CDLL("libc.so.6").malloc_trim
-    function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
-    trim: Callable[[int], int] = function
-    return trim
+    trim_heap()

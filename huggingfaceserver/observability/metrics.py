@@ -191,6 +191,7 @@ class DecodeFamilies:
     prompt_tokens: Counter
     generation_tokens: Counter
     success: Counter
+    preemptions: Counter
 
 
 @cache
@@ -249,6 +250,9 @@ def decode_families() -> DecodeFamilies:
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
         ),
+        preemptions=Counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels
+        ),
     )
 
 
@@ -281,11 +285,16 @@ class DecodeLoopMetrics:
         self.success = {
             reason: families.success.labels(*labels, reason) for reason in FINISHED_REASONS
         }
+        self.preemptions = families.preemptions.labels(*labels)
 
     def queue_length(self, waiting: int, changed: int) -> None:
         """The queue now holds ``waiting`` requests, ``changed`` more than before."""
         self.waiting.set(waiting)
         queued.inc(changed)
+
+    def preempted(self) -> None:
+        """A running request left the batch to be fed again later (the KV cache's budget)."""
+        self.preemptions.inc()
 
     def admitted(self, timeline: Timeline, now: float) -> None:
         self.queue_seconds.observe(now - timeline.arrived)

@@ -11,9 +11,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from huggingfaceserver.backends.vllm.cache_sizing import (
     BLOCK_TOKENS,
-    GiB,
     Memory,
-    MiB,
     ModelMemory,
     model_memory,
     plan_kv_cache,
@@ -23,6 +21,7 @@ from huggingfaceserver.backends.vllm.cache_sizing import (
 from huggingfaceserver.cli import ServerConfig
 from huggingfaceserver.loading import ModelSource
 from huggingfaceserver.tasks import Task
+from huggingfaceserver.units import GiB, MiB
 
 KiB = 1 << 10
 

@@ -8,12 +8,10 @@ of a 1.1B Llama made 69 tokens/s at batch 1 and 2,023 at 32). There:
 
 - an encoder batch takes up to :data:`GPU_ROWS`, its padded tokens bounded by
   ``--max_batch_tokens`` as on a CPU (what bounds its memory);
-- the decode loop takes as many rows as a KV cache at the model's full context fits in
-  :data:`KV_MEMORY_SHARE` of the device memory free once the weights are loaded, between the
-  CPU's 16 and :data:`GPU_ROWS`. The reserved cache (:mod:`.kv_cache`) holds ``rows x
-  columns`` and grows its columns by half again when full, the old buffers and the new side by
-  side while it moves: sized at a share well under half, the rows' full context still fits
-  with its growth, the activations and the recorded steps' memory.
+- the decode loop takes as many rows as its KV cache budget (:mod:`.kv_budget`: a share of
+  the device memory free once the weights are loaded) holds at the model's full context,
+  between the CPU's 16 and :data:`GPU_ROWS`. Where fewer rows than that fit at full context,
+  the budget still admits them by their own lengths (a prompt and its ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from ...cli import DEFAULT_MAX_BATCH_SIZE
 
 GPU_ROWS = 256
 """Rows at most on a GPU without ``--max_batch_size`` (vLLM's ``--max-num-seqs`` default)."""
-KV_MEMORY_SHARE = 0.4
-"""Of the device memory free after the weights: the KV cache of every row at full context."""
 
 
 def encoder_rows(device_type: str) -> int:
@@ -31,12 +27,10 @@ def encoder_rows(device_type: str) -> int:
     return GPU_ROWS if device_type == "cuda" else DEFAULT_MAX_BATCH_SIZE
 
 
-def decode_rows(device_type: str, free_bytes: int, kv_bytes_per_row: int | None) -> int:
-    """Rows decoded together without ``--max_batch_size``: on a GPU, those whose KV cache at
-    full context (``kv_bytes_per_row``; None where the model's config does not say its
-    attention) fits in :data:`KV_MEMORY_SHARE` of ``free_bytes``, within 16 and
-    :data:`GPU_ROWS`; elsewhere 16."""
-    if device_type != "cuda" or not kv_bytes_per_row:
+def decode_rows(device_type: str, budget_tokens: int | None, context: int) -> int:
+    """Rows decoded together without ``--max_batch_size``: on a GPU, as many sequences of
+    ``context`` tokens as the KV cache budget holds (``budget_tokens``; None where the model's
+    config does not say its attention), within 16 and :data:`GPU_ROWS`; elsewhere 16."""
+    if device_type != "cuda" or budget_tokens is None:
         return DEFAULT_MAX_BATCH_SIZE
-    fits = int(free_bytes * KV_MEMORY_SHARE) // kv_bytes_per_row
-    return max(DEFAULT_MAX_BATCH_SIZE, min(GPU_ROWS, fits))
+    return max(DEFAULT_MAX_BATCH_SIZE, min(GPU_ROWS, budget_tokens // max(context, 1)))

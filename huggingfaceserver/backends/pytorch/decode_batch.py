@@ -203,6 +203,13 @@ class DecodeBatch(ABC):
         return False
 
     @property
+    def columns(self) -> int:
+        """The KV cache's columns in use, which every row holds (a row's tokens and its left
+        padding): what a row of this batch costs the KV cache budget (:mod:`.kv_budget`);
+        0 where the budget does not count it (a seq2seq model)."""
+        return 0
+
+    @property
     def splits(self) -> bool:
         """Whether :meth:`split` can move rows out (after a step that raised too)."""
         return False
@@ -231,6 +238,10 @@ class CausalLMBatch(DecodeBatch):
     """A decoder-only model on transformers' own cache (sliding-window, recurrent or mixed
     layers). ``mask`` marks the cache columns that hold tokens (1) rather than left padding
     (0); ``positions`` is each row's next position."""
+
+    @property
+    def columns(self) -> int:
+        return int(self.mask.shape[-1])
 
     def __init__(self, model: PreTrainedModel, lora: LoraAdapters | None = None):
         super().__init__(model, lora)
@@ -452,6 +463,10 @@ class ReservedCausalLMBatch(CausalLMBatch):
     @mask.setter
     def mask(self, value: torch.Tensor) -> None:
         pass  # the cache's own, set through reserve
+
+    @property
+    def columns(self) -> int:  # without slicing the mask: asked every step
+        return self.cache.end - self.cache.start
 
     def _extend(self, tokens: int) -> torch.Tensor:
         return self.cache.reserve(tokens)

@@ -1,7 +1,8 @@
 """Continuous batching: one decode loop, in one thread, shared by every generation request.
 
 Requests wait in a queue. Between two decode steps the loop admits the waiting ones (first come,
-first served, while the running rows stay within ``max_rows``): the prompts of the requests
+first served, while the running rows stay within ``max_rows`` and their KV cache within its
+budget: :mod:`.kv_budget`): the prompts of the requests
 admitted together run as one left-padded forward where the model allows it (grouped by length,
 so that padding stays bounded; requests that score their prompts apart from the others, in
 groups of a bounded size), then their rows join the running batch. Where the running
@@ -61,6 +62,7 @@ from ...observability.metrics import DecodeLoopMetrics, Timeline
 from ..loop_calls import deferred
 from ..worker_calls import WorkerCalls
 from .decode_batch import DecodeBatch, PromptPart
+from .kv_budget import UNBOUNDED, KvBudget
 from .logits import prompt_token_logprobs
 from .sampling import SamplingBatch
 from .sequence import SequenceState, advance
@@ -101,15 +103,27 @@ class DecodeRequest:
     timeline: Timeline = field(default_factory=Timeline)
     ended: bool = False
     """Set once its last word (None or a failure) has been emitted."""
+    resumed: bool = False
+    """Set when it left the running rows for the KV cache's budget (preempted): it is fed
+    again from its prompt and the tokens it generated so far."""
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.rows[0].prompt_ids
+        """What is fed before its next token: the prompt, and once :attr:`resumed` the tokens
+        its (one) row generated so far."""
+        row = self.rows[0]
+        return [*row.prompt_ids, *row.output_ids] if self.resumed else row.prompt_ids
 
     @property
     def prompt_logprobs(self) -> int | None:
-        """How many top tokens each prompt token's logprob comes with (None: not scored)."""
-        return self.rows[0].params.prompt_logprobs
+        """How many top tokens each prompt token's logprob comes with (None: not scored, or
+        scored before it was preempted)."""
+        return None if self.resumed else self.rows[0].params.prompt_logprobs
+
+    @property
+    def length(self) -> int:
+        """The tokens its longest row holds once its latest token is fed."""
+        return len(self.rows[0].prompt_ids) + max(len(row.output_ids) for row in self.rows)
 
 
 @dataclass(eq=False)
@@ -192,8 +206,12 @@ class ContinuousBatcher:
         retire: Callable[[DecodeBatch], None] = let_go,
         settle: Callable[[DecodeBatch], None] = let_go,
         step_ahead: bool = False,
+        kv_budget: KvBudget = UNBOUNDED,
     ):
         self.new_batch = new_batch
+        self.kv_budget = kv_budget
+        """What the running rows' KV cache may hold: a request waits while its rows with the
+        running ones, times the longest of them, would exceed it."""
         self.step_ahead = step_ahead
         """Whether a batch's next decode step is queued before the host reads its tokens
         (:meth:`_step_ahead`): on a GPU, where the step then runs while the host makes the
@@ -346,23 +364,85 @@ class ContinuousBatcher:
         self.calls.fail(self.stopped)
 
     def _admit(self) -> list[DecodeRequest]:
-        """Take the waiting requests whose rows fit (the first one always fits an idle loop)."""
+        """Take the waiting requests whose rows fit, in number and in the KV cache budget (the
+        first one always fits an idle loop)."""
         admitted: list[DecodeRequest] = []
         rows = self.running_rows
+        bounded = bool(self.waiting) and self.kv_budget.tokens is not None
+        cells = self._cells() if bounded else 0
+        first = self.running[0] if self.running else None
+        # admitted rows are counted as joining the first batch, sharing its columns
+        joined, columns = (len(first.rows), first.batch.columns) if first else (0, 0)
         queued = len(self.waiting)
         now = time.perf_counter()
         while self.waiting:
             head = self.waiting[0]
             if not head.cancelled.is_set():
-                if rows and rows + len(head.rows) > self.max_rows:
+                after = rows + len(head.rows)
+                wide = max(columns, len(head.prompt_ids) + 1)
+                grown = cells - joined * columns + (joined + len(head.rows)) * wide
+                if rows and (
+                    after > self.max_rows or (bounded and not self.kv_budget.admits(grown))
+                ):
                     break
                 admitted.append(head)
-                self.metrics.admitted(head.timeline, now)
-                rows += len(head.rows)
+                if not head.resumed:
+                    self.metrics.admitted(head.timeline, now)
+                rows, cells, joined, columns = after, grown, joined + len(head.rows), wide
+            elif head.resumed:  # admitted before: its end is counted
+                self._end(head, None)
             self.waiting.popleft()
         if queued != len(self.waiting):
             self.metrics.queue_length(len(self.waiting), len(self.waiting) - queued)
         return admitted
+
+    def _cells(self, grow: int = 0, but: Running | None = None) -> int:
+        """The token cells the admitted rows' KV caches hold (each batch's rows times its
+        columns, each grown by ``grow`` more; a prompt fed in parts counted whole), but those
+        of batch ``but``."""
+        cells = sum(
+            len(group.rows) * (group.batch.columns + grow)
+            for group in self.running
+            if group is not but
+        )
+        return cells + sum(len(p.request.rows) * len(p.request.prompt_ids) for p in self.prefilling)
+
+    def _over_budget(self, group: Running, live: list[int]) -> list[DecodeRequest]:
+        """The requests of this batch that leave it (preempted, latest admitted first, one
+        row each) while the admitted rows (``live`` of this batch's), grown by their next step
+        (two with one queued ahead), exceed the KV cache budget; none while they fit, and the
+        last row stays."""
+        grow = 2 if self.step_ahead else 1
+        outside = self._cells(grow, but=group)
+        if self.kv_budget.holds(outside + len(live) * (group.batch.columns + grow)):
+            return []
+        mine = dict.fromkeys(group.owners[i] for i in live)
+        lengths = {request: request.length for request in mine}
+        leaving: list[DecodeRequest] = []
+        for request in sorted(mine, key=lambda r: r.timeline.arrived, reverse=True):
+            staying = sum(len(r.rows) for r in mine)
+            longest = max(lengths[r] for r in mine) + grow
+            if self.kv_budget.holds(outside + staying * longest) or staying <= 1:
+                break
+            if len(request.rows) == 1:
+                del mine[request]
+                leaving.append(request)
+        return leaving
+
+    def _preempt(self, requests: list[DecodeRequest]) -> None:
+        """Back to the head of the queue, in their order of arrival, to be fed again once
+        there is room (their rows have left the batch)."""
+        for request in requests:
+            request.resumed = True
+            self.metrics.preempted()
+            logger.info(
+                "a request left the running rows for the KV cache budget after %d tokens; it "
+                "goes on once there is room",
+                len(request.rows[0].output_ids),
+            )
+        with self.wake:
+            self.waiting.extendleft(sorted(requests, key=lambda r: r.timeline.arrived)[::-1])
+            self.metrics.queue_length(len(self.waiting), len(requests))
 
     def _start(self, requests: list[DecodeRequest]) -> None:
         """Run the requests' prompts (together, where the model allows it), emit their first
@@ -771,7 +851,12 @@ class ContinuousBatcher:
             self._end(owner, error)
         starting = deltas.keys() if first else [r for r in joining or [] if r in deltas]
         for request in starting:
-            self.metrics.first_tokens(request.timeline, len(request.prompt_ids), len(request.rows))
+            if request.resumed:  # its first token came before it was preempted
+                self.metrics.step([request.timeline], len(request.rows))
+            else:
+                self.metrics.first_tokens(
+                    request.timeline, len(request.prompt_ids), len(request.rows)
+                )
         if not first:
             stepped = len(group.rows) - sum(len(request.rows) for request in joining or [])
             self.metrics.step((o.timeline for o in deltas if o not in starting), stepped)
@@ -785,10 +870,13 @@ class ContinuousBatcher:
             and not owner.cancelled.is_set()
             and owner not in failed
         ]
+        leaving = self._over_budget(group, live) if self.kv_budget.tokens else []
+        if leaving:
+            live = [i for i in live if group.owners[i] not in leaving]
         if len(live) == len(group.rows):
             return
         remaining = {group.owners[i] for i in live}
-        for owner in deltas.keys() - remaining:
+        for owner in deltas.keys() - remaining - set(leaving):
             if owner.cancelled.is_set():
                 generated = max(len(row.output_ids) for row in owner.rows)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
@@ -801,6 +889,8 @@ class ContinuousBatcher:
             group.ahead = group.ahead.index_select(0, index)
         group.rows = [group.rows[i] for i in live]
         group.owners = [group.owners[i] for i in live]
+        if leaving:
+            self._preempt(leaving)
 
     def _step_ahead(self, group: Running) -> bool:
         """Queue the group's next decode step on the tokens just chosen (on the device),

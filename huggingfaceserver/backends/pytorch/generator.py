@@ -33,8 +33,8 @@ from ...generation.params import ChoiceDelta, SamplingParams
 from ...generation.text import ChoiceText
 from ...loading import ModelSource, device, load_pretrained, load_tokenizer, served_dtype
 from ...model_facts import attention_shape, context_length
+from ...pod import Memory, available_memory
 from ...tasks import Task
-from ...units import GiB, MiB
 from ..base import GenerationBackend, release_weights, unloaded
 from ..loop_calls import LoopCalls
 from ..lora import LoraModule, ServedAdapters, served_adapters
@@ -50,6 +50,8 @@ from .decode_batch import (
     takes_ready_masks,
 )
 from .decode_loop import ContinuousBatcher, DecodeRequest
+from .kv_budget import FLAG as KV_FLAG
+from .kv_budget import MIN_CONTEXT, KvBudget, plan_kv_budget
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
 from .step_graphs import StepGraphs, cuda_graph, eager, torch_compiled
@@ -176,7 +178,8 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
-        self.max_rows = self.config.max_batch_size or self.default_rows(model)
+        self.kv_budget = self.plan_kv_budget(model)
+        self.max_rows = self.config.max_batch_size or self.default_rows()
         self.cache_layers = (
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
         )
@@ -222,6 +225,7 @@ class TransformersGenerator(GenerationBackend):
             self.retire_batch,
             self.settle_batch,
             step_ahead=steps_ahead(self.config.async_scheduling, self.device.type),
+            kv_budget=self.kv_budget,
         )
         self.idle_cache: ReservedCache | None = None
         """The KV cache of the last batch whose rows all ended, kept for the next batch that
@@ -231,26 +235,52 @@ class TransformersGenerator(GenerationBackend):
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
 
-    def default_rows(self, model: PreTrainedModel) -> int:
-        """Rows decoded together without ``--max_batch_size`` (:mod:`.batch_rows`): on a GPU,
-        as many as the memory free after the weights holds at full context, logged."""
-        if self.device.type != "cuda":
-            return decode_rows(self.device.type, 0, None)
+    def plan_kv_budget(self, model: PreTrainedModel) -> KvBudget:
+        """The KV cache budget of the rows decoded together (:mod:`.kv_budget`), logged; where
+        one sequence at the full context does not fit in it, the context is lowered to what
+        fits (``--max_model_len`` asked for more: a startup error)."""
+        if self.is_encoder_decoder:
+            return KvBudget(None, "KV cache not bounded: an encoder-decoder model")
         shape = attention_shape(model.config.get_text_config())
-        per_row = None
-        if shape is not None:
-            per_row = shape.kv_bytes_per_token(self.dtype.itemsize) * self.max_model_len
-        free = torch.cuda.mem_get_info(self.device)[0]
-        rows = decode_rows(self.device.type, free, per_row)
-        logger.info(
-            "decoding up to %d rows together (a KV cache of %s per row at %d tokens, %.1f GiB "
-            "free on %s after the weights; --max_batch_size sets it)",
-            rows,
-            f"{per_row / MiB:.0f} MiB" if per_row else "unknown size",
-            self.max_model_len,
-            free / GiB,
-            self.device,
-        )
+        per_token = shape.kv_bytes_per_token(self.dtype.itemsize) if shape else None
+        if self.device.type == "cuda":
+            free = Memory(torch.cuda.mem_get_info(self.device)[0], str(self.device))
+        else:
+            free = available_memory()
+        budget = plan_kv_budget(per_token, self.config.kv_cache_memory_bytes, free)
+        logger.info("%s", budget.reason)
+        fits = budget.tokens
+        if fits is not None and fits < self.max_model_len:
+            if self.config.max_length is not None or fits < MIN_CONTEXT:
+                raise StartupError(
+                    f"one sequence of {self.max_model_len} tokens does not fit: {budget.reason}; "
+                    f"free memory, give --{KV_FLAG} more or serve a shorter --max_model_len "
+                    f"(at most {fits})"
+                )
+            logger.warning(
+                "serving a context of %d tokens, not the model's %d: one sequence at the full "
+                "context does not fit in the KV cache budget (--%s or free memory raise it)",
+                fits,
+                self.max_model_len,
+                KV_FLAG,
+            )
+            self.max_model_len = fits
+        return budget
+
+    def default_rows(self) -> int:
+        """Rows decoded together without ``--max_batch_size`` (:mod:`.batch_rows`): on a GPU,
+        as many as the KV cache budget holds at full context, logged."""
+        rows = decode_rows(self.device.type, self.kv_budget.tokens, self.max_model_len)
+        if self.device.type == "cuda":
+            logger.info(
+                "decoding up to %d rows together (%s sequences of %d tokens fit in the KV "
+                "cache budget; --max_batch_size sets it)",
+                rows,
+                "unknown"
+                if self.kv_budget.tokens is None
+                else self.kv_budget.tokens // self.max_model_len,
+                self.max_model_len,
+            )
         return rows
 
     def tune(self) -> None:
@@ -387,7 +417,9 @@ class TransformersGenerator(GenerationBackend):
         """The model side of a new batch, for this model's kind."""
         if self.decoder_start_token_id is None:
             if self.cache_layers:
-                cache = ReservedCache(self.cache_layers, self.max_rows, self.device)
+                cache = ReservedCache(
+                    self.cache_layers, self.max_rows, self.device, self.kv_budget.tokens
+                )
                 return ReservedCausalLMBatch(
                     self.model, cache, self.graphs, self.ready_masks, self.lora, self.mixes
                 )

@@ -55,9 +55,21 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ...devices import HostCopy, to_device
+from ...heap import trim_heap
 
 MIN_GROWTH = 256
 """Columns (and at least half again the columns in use) added when a buffer is full."""
+
+
+def within(
+    cells: int, rows: int, columns: int, row_capacity: int, column_capacity: int
+) -> tuple[int, int]:
+    """Buffer capacities of at least ``rows x columns``, their room ahead cut so that they
+    hold ``cells`` at most where that many are enough: columns first (a capacity kept from
+    wider rows that have ended included), then rows."""
+    column_capacity = max(columns, min(column_capacity, cells // max(row_capacity, 1)))
+    row_capacity = max(rows, min(row_capacity, cells // max(column_capacity, 1)))
+    return row_capacity, column_capacity
 
 
 @dataclass(frozen=True)
@@ -256,9 +268,19 @@ class ReservedCache(Cache):
     Columns ``start:end`` are in use; :attr:`mask` says which of them hold each row's tokens.
     """
 
-    def __init__(self, num_layers: int, max_rows: int, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        max_rows: int,
+        device: torch.device,
+        max_tokens: int | None = None,
+    ):
         self.max_rows = max_rows
         self.device = device
+        self.max_tokens = max_tokens
+        """The KV cache budget (:mod:`.kv_budget`) in token cells, rows times columns: buffers
+        grown ahead (rows doubled, columns by half again) are cut to it where the rows and
+        columns needed fit in it; None: no bound."""
         self.rows = 0
         self.start = 0
         self.end = 0
@@ -416,6 +438,10 @@ class ReservedCache(Cache):
         stop = max(stop, move_to + width)
         if stop > self.column_capacity:
             self.column_capacity = stop + max(stop // 2, MIN_GROWTH)
+        if self.max_tokens is not None and (self.row_capacity, self.column_capacity) != capacity:
+            self.row_capacity, self.column_capacity = within(
+                self.max_tokens, rows, stop, self.row_capacity, self.column_capacity
+            )
         held = self.mask_buffer[: self.rows, self.start : self.end].clone()
         self.moves += 1
         if (self.row_capacity, self.column_capacity) == capacity:
@@ -430,6 +456,8 @@ class ReservedCache(Cache):
             self.mask_buffer = torch.zeros(
                 self.row_capacity, self.column_capacity, dtype=torch.long, device=self.device
             )
+            if self.device.type == "cpu":  # the old buffers' pages, which glibc would keep
+                trim_heap()
         self.mask_buffer[: self.rows, move_to : move_to + width] = held
         self.start, self.end = move_to, move_to + width
 
@@ -536,7 +564,7 @@ class ReservedCache(Cache):
 
     def take_rows(self, indices: Sequence[int]) -> ReservedCache:
         """A new cache holding copies of these rows (the others stay here untouched)."""
-        taken = ReservedCache(len(self.layers), self.max_rows, self.device)
+        taken = ReservedCache(len(self.layers), self.max_rows, self.device, self.max_tokens)
         width = self.end - self.start
         taken.row_capacity, taken.column_capacity = len(indices), width + MIN_GROWTH
         taken.rows, taken.end = len(indices), width

@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...model_facts import attention_shape
-from ...pod import cgroup_memory
-from ...units import GiB, MiB
+from ...pod import Memory, host_memory, human, meminfo, within_cgroup
+from ...units import GiB
 
 if TYPE_CHECKING:
     from ...cli import ServerConfig
@@ -46,14 +45,6 @@ BLOCK_TOKENS = 128  # vLLM's CPU block size
 DEFAULT_MAX_NUM_SEQS = 128  # vLLM's default for its engine API
 DEFAULT_CONTEXT = 2048  # vLLM's guess for a config that names no context length
 DTYPE_BYTES = {"auto": 4, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes the engine can have now, and where that figure comes from."""
-
-    available: int
-    where: str
 
 
 @dataclass(frozen=True)
@@ -102,10 +93,6 @@ def size_kv_cache(memory: Memory, model: ModelMemory) -> KvCachePlan:
         f"KV cache {human(size)}, room for {sequences} of {model.max_num_seqs} sequences at "
         f"the full {model.context} tokens ({figures})",
     )
-
-
-def human(size: int) -> str:
-    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / MiB:.0f} MiB"
 
 
 # --- the figures ----------------------------------------------------------------------------
@@ -170,11 +157,7 @@ def read_memory(root: Path = Path("/")) -> Memory:
     """Memory available now where vLLM's CPU worker allocates (the NUMA node of the first CPU
     this process may run on, counted as vLLM counts it), within the cgroup's limit (as
     :func:`~huggingfaceserver.pod.cgroup_memory` reads it)."""
-    memory = node_memory(root) or host_memory(root)
-    cgroup = cgroup_memory(root)
-    if cgroup is not None and cgroup.free < memory.available:
-        return Memory(cgroup.free, f"the cgroup (limit {human(cgroup.limit)})")
-    return memory
+    return within_cgroup(node_memory(root) or host_memory(root), root)
 
 
 def node_memory(root: Path) -> Memory | None:
@@ -187,17 +170,3 @@ def node_memory(root: Path) -> Memory | None:
     info = meminfo(path)
     keys = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
     return Memory(sum(info.get(k, 0) for k in keys), f"NUMA node {node.removeprefix('node')}")
-
-
-def host_memory(root: Path) -> Memory:
-    return Memory(meminfo(root / "proc/meminfo").get("MemAvailable", 0), "this host")
-
-
-def meminfo(path: Path) -> dict[str, int]:
-    """``/proc/meminfo`` or a NUMA node's ``meminfo``, in bytes."""
-    info = {}
-    for line in path.read_text().splitlines():
-        match = re.search(r"([\w()]+):\s+(\d+)\s*kB", line)
-        if match:
-            info[match.group(1)] = int(match.group(2)) * 1024
-    return info

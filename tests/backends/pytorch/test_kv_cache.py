@@ -45,9 +45,17 @@ class Alone:
         return self.batch.step(column)
 
 
-def reserved(backend, max_rows: int = 16) -> ReservedCausalLMBatch:
-    cache = ReservedCache(backend.cache_layers, max_rows, backend.model.device)
+def reserved(backend, max_rows: int = 16, max_tokens: int | None = None) -> ReservedCausalLMBatch:
+    cache = ReservedCache(backend.cache_layers, max_rows, backend.model.device, max_tokens)
     return ReservedCausalLMBatch(backend.model, cache)
+
+
+def cells(batch: ReservedCausalLMBatch) -> int:
+    """The token cells its buffers hold (rows times columns), as allocated."""
+    layer = batch.cache.reserved_layers[0]
+    assert layer.key_buffer.shape[0] == batch.cache.row_capacity
+    assert layer.key_buffer.shape[2] == batch.cache.column_capacity
+    return batch.cache.row_capacity * batch.cache.column_capacity
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -116,6 +124,47 @@ def test_requests_that_join_step_as_they_would_alone(backends, name, joining_fir
             torch.testing.assert_close(
                 batch.step([token, token]), joining_alone.step([token, token]), **PADDED
             )
+
+
+def test_a_bounded_cache_grows_within_its_budget_and_steps_as_alone(backends) -> None:
+    """Rows that fit in the KV cache budget (:mod:`.kv_budget`) grow buffers no larger than it,
+    where unbounded ones double their rows and add half again to their columns; a wide row that
+    ended leaves its columns behind only until the rows grow: then the buffers are cut back to
+    the budget. The rows step as they would alone."""
+    backend = backends("llama")
+    vocab = backend.vocab_size
+    long, short = tokens(60, vocab, 20), prompt(backend, PROMPTS[0])
+    budget = 5 * (len(long) + 4)  # five rows as long as the long prompt, and 4 steps
+    with torch.inference_mode():
+        bounded, unbounded = reserved(backend, max_tokens=budget), reserved(backend)
+        long_alone = Alone(backend, long)
+        for batch in (bounded, unbounded):
+            batch.prefill(long, 1)
+            for _ in range(4):  # one row at a time: the row capacity doubles each join
+                joining = reserved(backend, max_tokens=budget)
+                joining.prefill(short, 1)
+                assert batch.absorb(joining)
+        assert bounded.cache.rows == unbounded.cache.rows == 5
+        assert cells(unbounded) > budget  # 8 rows, 60 columns and half again
+        assert cells(bounded) <= budget
+        short_alone = Alone(backend, short, rows=4)
+        for token in tokens(4, vocab, 21):
+            got = bounded.step([token] * 5)
+            torch.testing.assert_close(got[:1], long_alone.step([token]), **PADDED)
+            torch.testing.assert_close(got[1:], short_alone.step([token] * 4), **PADDED)
+        assert cells(bounded) <= budget
+        bounded.keep([1, 2, 3, 4])  # the long row ended: the buffers stay as wide
+        wide = bounded.cache.column_capacity
+        more = reserved(backend, max_tokens=budget)
+        more.prefill(short, 4)
+        assert bounded.absorb(more)  # 8 rows: cut back to the columns the budget leaves them
+        assert bounded.cache.rows == 8 and bounded.cache.column_capacity < wide
+        assert cells(bounded) <= budget
+        more_alone = Alone(backend, short, rows=4)
+        for token in tokens(3, vocab, 22):
+            got = bounded.step([token] * 8)
+            torch.testing.assert_close(got[:4], short_alone.step([token] * 4), **PADDED)
+            torch.testing.assert_close(got[4:], more_alone.step([token] * 4), **PADDED)
 
 
 class OnItsWay:
