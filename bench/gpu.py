@@ -354,6 +354,7 @@ SAID = (
     "backend ",
     "loaded ",
     "batches of up to ",
+    "KV cache up to ",
     "decoding up to ",
     "decode steps compiled",
     "intra-op threads",
