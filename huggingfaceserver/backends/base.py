@@ -201,6 +201,9 @@ class GenerationBackend(ABC):
     """The LoRA adapters served, each under its own model name."""
     grammars: LazyGrammars
     """Structured-output constraints compiled (and so checked) with the model's tokenizer."""
+    kv_cache_tokens: int | None = None
+    """The KV cache budget of the rows decoded together, in tokens, that a request's ``n``
+    choices must fit in together; None: no bound the request is checked against."""
 
     async def connect(self) -> None:
         """On the event loop, before ``load``: backends served by another process connect."""
@@ -229,6 +232,7 @@ class GenerationBackend(ABC):
             self.vocab_size,
             self.is_encoder_decoder,
             self.grammars,
+            self.kv_cache_tokens,
         )
 
     @abstractmethod

@@ -23,9 +23,12 @@ def check_generation_request(
     vocab_size: int,
     is_encoder_decoder: bool,
     grammars: LazyGrammars,
+    kv_cache_tokens: int | None = None,
 ) -> None:
     """What the model refuses (the protocol layer should have caught most of it), an invalid
-    structured-output constraint included; ``adapters``: the LoRA adapters served."""
+    structured-output constraint included; ``adapters``: the LoRA adapters served;
+    ``kv_cache_tokens``: the KV cache budget that ``n`` > 1 choices must fit in together (their
+    rows cannot leave the batch to go on later, as one choice's can), None: no bound."""
     if adapter is not None and adapter not in adapters:
         raise BadRequest(f"unknown LoRA adapter {adapter!r}")
     if not prompt_ids:
@@ -37,6 +40,16 @@ def check_generation_request(
         )
     if params.n < 1 or (params.max_tokens is not None and params.max_tokens < 1):
         raise BadRequest("n and max_tokens must be at least 1")
+    if kv_cache_tokens is not None and params.n > 1:
+        reach = max_model_len
+        if params.max_tokens is not None:
+            reach = min(reach, len(prompt_ids) + params.max_tokens)
+        if params.n * reach > kv_cache_tokens:
+            raise BadRequest(
+                f"n={params.n} choices of up to {reach} tokens each (the prompt and "
+                f"max_tokens) need {params.n * reach} tokens of KV cache together; the server's "
+                f"budget holds {kv_cache_tokens}: lower n or max_tokens"
+            )
     ids = {*prompt_ids, *params.logit_bias, *params.stop_token_ids}
     outside = sorted(i for i in ids if not 0 <= i < vocab_size)
     if outside:

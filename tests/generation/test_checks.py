@@ -79,6 +79,18 @@ def test_each_refusal_is_a_400_with_its_message(backend, prompt, params, adapter
     assert message in str(refused.value)
 
 
+def test_n_choices_must_fit_in_the_kv_cache_budget_together(backend):
+    """Their rows cannot leave the batch to go on later: ``n`` times the most each may reach
+    (the prompt and max_tokens, at most the context) must fit in the budget."""
+    backend.kv_cache_tokens = 10
+    backend.check_request([1, 2], SamplingParams(n=2, max_tokens=3))  # 2 x 5
+    backend.check_request([1, 2], SamplingParams(n=1))  # one choice can leave
+    with pytest.raises(BadRequest, match="n=2 choices of up to 6 tokens each"):
+        backend.check_request([1, 2], SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(BadRequest, match="n=2 choices of up to 8 tokens each .* 16 tokens"):
+        backend.check_request([1, 2], SamplingParams(n=2))  # up to the context
+
+
 def test_prompt_logprobs_need_a_decoder_only_model(grammars):
     params = SamplingParams(prompt_logprobs=1)
     Checked(grammars).check_request([1, 2], params)

@@ -125,6 +125,17 @@ class DecodeRequest:
         """The tokens its longest row holds once its latest token is fed."""
         return len(self.rows[0].prompt_ids) + max(len(row.output_ids) for row in self.rows)
 
+    @property
+    def preemptible(self) -> bool:
+        """Whether it can leave the running rows and go on later (:attr:`resumed`): one row
+        (``n`` rows would each need their own tokens fed again)."""
+        return len(self.rows) == 1
+
+    @property
+    def reach(self) -> int:
+        """The tokens its rows may reach: the prompt and its ``max_tokens``."""
+        return len(self.rows[0].prompt_ids) + self.rows[0].budget
+
 
 @dataclass(eq=False)
 class Prefilling:
@@ -380,7 +391,10 @@ class ContinuousBatcher:
             if not head.cancelled.is_set():
                 after = rows + len(head.rows)
                 wide = max(columns, len(head.prompt_ids) + 1)
-                grown = cells - joined * columns + (joined + len(head.rows)) * wide
+                room = wide  # rows that cannot leave get room for all they may reach
+                if bounded and not head.preemptible:
+                    room = max(wide, head.reach, self._reserved(admitted))
+                grown = cells - joined * columns + (joined + len(head.rows)) * room
                 if rows and (
                     after > self.max_rows or (bounded and not self.kv_budget.admits(grown))
                 ):
@@ -388,13 +402,21 @@ class ContinuousBatcher:
                 admitted.append(head)
                 if not head.resumed:
                     self.metrics.admitted(head.timeline, now)
-                rows, cells, joined, columns = after, grown, joined + len(head.rows), wide
+                cells += (joined + len(head.rows)) * wide - joined * columns
+                rows, joined, columns = after, joined + len(head.rows), wide
             elif head.resumed:  # admitted before: its end is counted
                 self._end(head, None)
             self.waiting.popleft()
         if queued != len(self.waiting):
             self.metrics.queue_length(len(self.waiting), len(self.waiting) - queued)
         return admitted
+
+    def _reserved(self, admitted: list[DecodeRequest]) -> int:
+        """The most tokens an admitted request that cannot leave the rows may reach (running,
+        fed in parts, or just ``admitted``)."""
+        requests = [*admitted, *(part.request for part in self.prefilling)]
+        requests += [owner for group in self.running for owner in group.owners]
+        return max((r.reach for r in dict.fromkeys(requests) if not r.preemptible), default=0)
 
     def _cells(self, grow: int = 0, but: Running | None = None) -> int:
         """The token cells the admitted rows' KV caches hold (each batch's rows times its
@@ -424,7 +446,7 @@ class ContinuousBatcher:
             longest = max(lengths[r] for r in mine) + grow
             if self.kv_budget.holds(outside + staying * longest) or staying <= 1:
                 break
-            if len(request.rows) == 1:
+            if request.preemptible:
                 del mine[request]
                 leaving.append(request)
         return leaving

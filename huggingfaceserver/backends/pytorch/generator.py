@@ -179,6 +179,7 @@ class TransformersGenerator(GenerationBackend):
             sorted(self.eos_token_ids),
         )
         self.kv_budget = self.plan_kv_budget(model)
+        self.kv_cache_tokens = self.kv_budget.tokens
         self.max_rows = self.config.max_batch_size or self.default_rows()
         self.cache_layers = (
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)

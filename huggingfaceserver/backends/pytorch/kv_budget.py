@@ -15,7 +15,11 @@ as vLLM keeps its paged cache's:
   leave the batch (preempted, as vLLM's scheduler preempts by recomputation): each goes back to
   the head of the queue and, once there is room again, its prompt and the tokens it generated so
   far are fed again, and it goes on where it stopped, its stream unbroken (the same seeded
-  generator, penalties and grammar state; a request with ``n`` > 1 stays);
+  generator, penalties and grammar state);
+- a request with ``n`` > 1 cannot leave (each choice would need its own tokens fed again): it
+  is admitted only with room for all its rows may reach (its prompt and ``max_tokens``), and
+  one whose rows could never fit together is refused with a 400
+  (:func:`~huggingfaceserver.generation.checks.check_generation_request`);
 - the reserved cache's growth ahead is cut to the budget
   (:attr:`.kv_cache.ReservedCache.max_tokens`);
 - where one sequence at the model's full context does not fit, the context served is lowered to

@@ -111,6 +111,7 @@ class EngineGenerator(ServedByEngine, GenerationBackend):
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.is_encoder_decoder = facts.is_encoder_decoder
+        self.kv_cache_tokens = facts.kv_cache_tokens
         self.grammars = LazyGrammars.for_tokenizer(self.tokenizer, self.vocab_size)
 
     async def generate(

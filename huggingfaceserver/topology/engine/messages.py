@@ -34,6 +34,8 @@ class ModelFacts(msgspec.Struct, array_like=True):
     max_model_len: int
     vocab_size: int
     is_encoder_decoder: bool
+    kv_cache_tokens: int | None = None
+    """The KV cache budget a request's ``n`` choices must fit in (None: no bound)."""
 
 
 class EngineState(msgspec.Struct, tag="state", array_like=True):

@@ -135,6 +135,7 @@ class Engine:
                 backend.max_model_len,
                 int(getattr(backend, "vocab_size", 0)),
                 backend.is_encoder_decoder,
+                backend.kv_cache_tokens,
             )
         if isinstance(backend, TokenizingEncoder):
             encoder = backend.facts

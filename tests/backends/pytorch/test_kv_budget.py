@@ -27,7 +27,7 @@ from huggingfaceserver.backends.pytorch.kv_budget import (
     plan_kv_budget,
 )
 from huggingfaceserver.backends.pytorch.kv_cache import ReservedCache
-from huggingfaceserver.errors import StartupError
+from huggingfaceserver.errors import BadRequest, StartupError
 from huggingfaceserver.generation.params import ChoiceDelta, SamplingParams
 from huggingfaceserver.model_facts import attention_shape
 from huggingfaceserver.observability.metrics import ENGINE_LABEL
@@ -278,3 +278,44 @@ def test_a_preempted_request_whose_client_left_ends_in_the_queue(tiny_models) ->
         assert not backend.batcher.waiting
         assert sample(PREEMPTIONS) == preemptions + 1
         assert sample(RUNNING) == running  # both ended, the one that left the rows included
+
+
+# --- requests of n choices ------------------------------------------------------------------
+
+
+def test_n_choices_that_cannot_fit_together_are_a_bad_request(tiny_models) -> None:
+    """``n`` choices' rows cannot leave the batch to go on later: they must fit in the budget
+    together at the most they may reach (the prompt and max_tokens, else the context)."""
+    path = tiny_models["llama"]
+    size = str(BUDGET * bytes_per_token(path))
+    with loaded(path, "--kv-cache-memory-bytes", size) as backend:
+        prompt_ids = (prompt(backend, "n choices") * 10)[:10]
+        fits = SamplingParams(n=2, max_tokens=90)  # 2 x 100 tokens
+        backend.check_request(prompt_ids, fits)
+        with pytest.raises(BadRequest, match=r"n=2 choices of up to 101 tokens each .* 202 "):
+            backend.check_request(prompt_ids, SamplingParams(n=2, max_tokens=91))
+        with pytest.raises(BadRequest, match="up to 128 tokens each"):  # the context
+            backend.check_request(prompt_ids, SamplingParams(n=2))
+        backend.check_request(prompt_ids, SamplingParams(n=1))  # one choice can leave
+
+
+async def test_requests_of_n_choices_are_admitted_with_room_for_all_they_may_reach(
+    tiny_models,
+) -> None:
+    """Two requests of 2 choices that may each reach 100 tokens: the second waits until the
+    first has ended (4 rows of 100 would exceed the budget, and none of them could leave), and
+    the cache never holds more than the budget; every output is the request's alone. Admitted
+    by the tokens they hold so far, all 4 rows would run together and outgrow it."""
+    path = tiny_models["llama"]
+    size = str(BUDGET * bytes_per_token(path))
+    with loaded(path, "--kv-cache-memory-bytes", size) as backend:
+        requests = [
+            ((prompt(backend, text) * 10)[:10], SamplingParams(n=2, max_tokens=90, seed=3))
+            for text in ("first", "second")
+        ]
+        outputs, held = submitted_together(backend, requests)
+        assert max(held.beside_first) == 2 and max(held.rows) == 2
+        assert max(held.cells) <= BUDGET
+        for (prompt_ids, params), output in zip(requests, outputs, strict=True):
+            alone = await run(backend, prompt_ids, params)
+            assert output.tokens == [choice.token_ids for choice in alone]

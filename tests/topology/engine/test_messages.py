@@ -86,6 +86,7 @@ EVERY_MESSAGE = [
     Hello(1),
     EngineState(False, 0),
     EngineState(True, 2, ModelFacts(128, 512, False)),
+    EngineState(True, 1, ModelFacts(128, 512, False, 4096)),
     pack_rows(1, [row(3)], "task"),
     Results(2, [[0.25, -1.5], {"negative": 0.1, "positive": 0.9}, 3, "paris", None]),
     Generate(3, [0, 17, 42], SamplingParams()),

@@ -68,10 +68,10 @@ def engine_backend(path: Path, *flags: str) -> EncoderBackend:
     return backend
 
 
-def engine_generator(path: Path) -> TransformersGenerator:
+def engine_generator(path: Path, *flags: str) -> TransformersGenerator:
     """The generation backend an engine process builds for this model (not loaded)."""
     backend = engine_local_backend(
-        parse_args(["--model_dir", str(path), "--backend", "huggingface"])
+        parse_args(["--model_dir", str(path), "--backend", "huggingface", *flags])
     )
     assert isinstance(backend, TransformersGenerator)
     return backend
@@ -519,3 +519,24 @@ async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path
         assert "".join(delta.text for delta in deltas) in CHOICES
         assert deltas[-1].finish_reason == "stop"
         assert held.threads and threading.current_thread() not in held.threads
+
+
+async def test_a_front_checks_n_choices_against_the_engines_kv_cache_budget(tiny_models, tmp_path):
+    """The engine's facts carry its KV cache budget: a front refuses ``n`` choices that could
+    not fit in it together before sending the request, as the engine would."""
+    path = tiny_models["llama"]
+    flags = ("--kv-cache-memory-bytes", str(200 * 512))  # 200 tokens of the tiny Llama
+    config = parse_args(["--model_dir", str(path), "--backend", "huggingface", *flags])
+    with (
+        engine_thread(engine_generator(path, *flags), f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        source, _ = assembly.locate(config, vllm=False)
+        front = front_backends.engine_backend(source, config, client)
+        assert isinstance(front, EngineGenerator)
+        await front.connect()
+        await asyncio.to_thread(front.load)
+        assert front.kv_cache_tokens == 200
+        front.check_request(prompt_of(front), SamplingParams(n=2, max_tokens=10))
+        with pytest.raises(BadRequest, match="n=2 choices of up to 128 tokens each"):
+            front.check_request(prompt_of(front), SamplingParams(n=2))
