@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -487,13 +487,15 @@ async def all_deltas(deltas: AsyncIterator[list[ChoiceDelta]]) -> list[ChoiceDel
     return [delta for step in [step async for step in deltas] for delta in step]
 
 
-async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path, monkeypatch):
-    """A front's :class:`EngineGenerator` compiles a constrained request's grammar (its 400
-    check) in a worker thread: while that is held, the front's loop runs other tasks."""
-    path = tiny_models["llama"]
-    config = parse_args(["--model_dir", str(path), "--backend", "huggingface"])
+@asynccontextmanager
+async def front_of(
+    path: Path, tmp_path: Path, *flags: str
+) -> AsyncIterator[tuple[EngineGenerator, EngineClient]]:
+    """A generative model's engine (in a thread) and a front's backend, connected and loaded,
+    with its engine client."""
+    config = parse_args(["--model_dir", str(path), "--backend", "huggingface", *flags])
     with (
-        engine_thread(engine_generator(path), f"ipc://{tmp_path}/engine.sock") as running,
+        engine_thread(engine_generator(path, *flags), f"ipc://{tmp_path}/engine.sock") as running,
         clients(running.engine.address, fronts=1) as [client],
     ):
         source, _ = assembly.locate(config, vllm=False)
@@ -501,6 +503,13 @@ async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path
         assert isinstance(front, EngineGenerator)
         await front.connect()
         await asyncio.to_thread(front.load)
+        yield front, client
+
+
+async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path, monkeypatch):
+    """A front's :class:`EngineGenerator` compiles a constrained request's grammar (its 400
+    check) in a worker thread: while that is held, the front's loop runs other tasks."""
+    async with front_of(tiny_models["llama"], tmp_path) as (front, client):
         held = hold_constrained_checks(monkeypatch, front)
         generation = asyncio.create_task(all_deltas(front.generate(prompt_of(front), CHOSEN)))
         await held.wait_entered()
@@ -524,18 +533,8 @@ async def test_a_front_checks_a_grammar_off_its_event_loop(tiny_models, tmp_path
 async def test_a_front_checks_n_choices_against_the_engines_kv_cache_budget(tiny_models, tmp_path):
     """The engine's facts carry its KV cache budget: a front refuses ``n`` choices that could
     not fit in it together before sending the request, as the engine would."""
-    path = tiny_models["llama"]
     flags = ("--kv-cache-memory-bytes", str(200 * 512))  # 200 tokens of the tiny Llama
-    config = parse_args(["--model_dir", str(path), "--backend", "huggingface", *flags])
-    with (
-        engine_thread(engine_generator(path, *flags), f"ipc://{tmp_path}/engine.sock") as running,
-        clients(running.engine.address, fronts=1) as [client],
-    ):
-        source, _ = assembly.locate(config, vllm=False)
-        front = front_backends.engine_backend(source, config, client)
-        assert isinstance(front, EngineGenerator)
-        await front.connect()
-        await asyncio.to_thread(front.load)
+    async with front_of(tiny_models["llama"], tmp_path, *flags) as (front, _):
         assert front.kv_cache_tokens == 200
         front.check_request(prompt_of(front), SamplingParams(n=2, max_tokens=10))
         with pytest.raises(BadRequest, match="n=2 choices of up to 128 tokens each"):
