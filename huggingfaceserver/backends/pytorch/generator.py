@@ -51,7 +51,7 @@ from .decode_batch import (
 )
 from .decode_loop import ContinuousBatcher, DecodeRequest
 from .kv_budget import FLAG as KV_FLAG
-from .kv_budget import MIN_CONTEXT, KvBudget, plan_kv_budget
+from .kv_budget import MIN_CONTEXT, UNBOUNDED, KvBudget, plan_kv_budget
 from .kv_cache import ReservedCache
 from .sequence import SequenceState
 from .step_graphs import StepGraphs, cuda_graph, eager, torch_compiled
@@ -178,9 +178,12 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len,
             sorted(self.eos_token_ids),
         )
-        self.kv_budget = self.plan_kv_budget(model)
+        planned = self.plan_kv_budget(model)
+        self.max_rows = self.config.max_batch_size or self.default_rows(planned)
+        self.kv_budget = UNBOUNDED if self.is_encoder_decoder else planned
+        """The budget the decode loop keeps to: not a seq2seq model's (its decoder's tokens
+        cannot be fed again as a prompt), whose rows it sizes only."""
         self.kv_cache_tokens = self.kv_budget.tokens
-        self.max_rows = self.config.max_batch_size or self.default_rows()
         self.cache_layers = (
             0 if self.is_encoder_decoder else ReservedCausalLMBatch.cache_layers(model)
         )
@@ -239,9 +242,8 @@ class TransformersGenerator(GenerationBackend):
     def plan_kv_budget(self, model: PreTrainedModel) -> KvBudget:
         """The KV cache budget of the rows decoded together (:mod:`.kv_budget`), logged; where
         one sequence at the full context does not fit in it, the context is lowered to what
-        fits (``--max_model_len`` asked for more: a startup error)."""
-        if self.is_encoder_decoder:
-            return KvBudget(None, "KV cache not bounded: an encoder-decoder model")
+        fits (``--max_model_len`` asked for more: a startup error); a seq2seq model's only
+        sizes its rows."""
         shape = attention_shape(model.config.get_text_config())
         per_token = shape.kv_bytes_per_token(self.dtype.itemsize) if shape else None
         if self.device.type == "cuda":
@@ -249,6 +251,9 @@ class TransformersGenerator(GenerationBackend):
         else:
             free = available_memory()
         budget = plan_kv_budget(per_token, self.config.kv_cache_memory_bytes, free)
+        if self.is_encoder_decoder:
+            logger.info("%s; a seq2seq model's is not kept to, it sizes the rows", budget.reason)
+            return budget
         logger.info("%s", budget.reason)
         fits = budget.tokens
         if fits is not None and fits < self.max_model_len:
@@ -268,18 +273,16 @@ class TransformersGenerator(GenerationBackend):
             self.max_model_len = fits
         return budget
 
-    def default_rows(self) -> int:
+    def default_rows(self, budget: KvBudget) -> int:
         """Rows decoded together without ``--max_batch_size`` (:mod:`.batch_rows`): on a GPU,
-        as many as the KV cache budget holds at full context, logged."""
-        rows = decode_rows(self.device.type, self.kv_budget.tokens, self.max_model_len)
+        as many as the KV cache ``budget`` holds at full context, logged."""
+        rows = decode_rows(self.device.type, budget.tokens, self.max_model_len)
         if self.device.type == "cuda":
             logger.info(
                 "decoding up to %d rows together (%s sequences of %d tokens fit in the KV "
                 "cache budget; --max_batch_size sets it)",
                 rows,
-                "unknown"
-                if self.kv_budget.tokens is None
-                else self.kv_budget.tokens // self.max_model_len,
+                "unknown" if budget.tokens is None else budget.tokens // self.max_model_len,
                 self.max_model_len,
             )
         return rows

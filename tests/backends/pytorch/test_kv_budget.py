@@ -319,3 +319,14 @@ async def test_requests_of_n_choices_are_admitted_with_room_for_all_they_may_rea
         for (prompt_ids, params), output in zip(requests, outputs, strict=True):
             alone = await run(backend, prompt_ids, params)
             assert output.tokens == [choice.token_ids for choice in alone]
+
+
+def test_a_seq2seq_models_budget_only_sizes_its_rows(tiny_models, caplog) -> None:
+    """A seq2seq model's decoder tokens cannot be fed again as a prompt: its budget is logged
+    and sizes its rows (on a GPU), but the loop does not keep to it, nor lower the context."""
+    path = tiny_models["t5"]
+    with caplog.at_level(logging.INFO), loaded(path, "--kv-cache-memory-bytes", "4096") as b:
+        assert b.kv_budget is UNBOUNDED and b.batcher.kv_budget is UNBOUNDED
+        assert b.kv_cache_tokens is None
+        b.check_request(prompt(b, "two choices"), SamplingParams(n=2))
+    assert any("is not kept to, it sizes the rows" in r.getMessage() for r in caplog.records)
