@@ -430,10 +430,10 @@ class ContinuousBatcher:
         return cells + sum(len(p.request.rows) * len(p.request.prompt_ids) for p in self.prefilling)
 
     def _over_budget(self, group: Running, live: list[int]) -> list[DecodeRequest]:
-        """The requests of this batch that leave it (preempted, latest admitted first, one
-        row each) while the admitted rows (``live`` of this batch's), grown by their next step
-        (two with one queued ahead), exceed the KV cache budget; none while they fit, and the
-        last row stays."""
+        """The requests of this batch that leave it (preempted: the latest to arrive first,
+        those of one row, :attr:`DecodeRequest.preemptible`) while the admitted rows (``live``
+        of this batch's), grown by their next step (two with one queued ahead), exceed the KV
+        cache budget; none while they fit, and the last row stays."""
         grow = 2 if self.step_ahead else 1
         outside = self._cells(grow, but=group)
         if self.kv_budget.holds(outside + len(live) * (group.batch.columns + grow)):
