@@ -41,9 +41,7 @@ def check_generation_request(
     if params.n < 1 or (params.max_tokens is not None and params.max_tokens < 1):
         raise BadRequest("n and max_tokens must be at least 1")
     if kv_cache_tokens is not None and params.n > 1:
-        reach = max_model_len
-        if params.max_tokens is not None:
-            reach = min(reach, len(prompt_ids) + params.max_tokens)
+        reach = len(prompt_ids) + params.answer_tokens(len(prompt_ids), max_model_len)
         if params.n * reach > kv_cache_tokens:
             raise BadRequest(
                 f"n={params.n} choices of up to {reach} tokens each (the prompt and "

@@ -76,6 +76,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def answer_tokens(self, prompt_tokens: int, max_model_len: int) -> int:
+        """The tokens each choice may generate after a prompt of ``prompt_tokens``:
+        ``max_tokens``, at most what the context leaves."""
+        room = max_model_len - prompt_tokens
+        return room if self.max_tokens is None else min(room, self.max_tokens)
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

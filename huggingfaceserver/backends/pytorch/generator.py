@@ -387,9 +387,7 @@ class TransformersGenerator(GenerationBackend):
     ) -> list[SequenceState]:
         """The ``params.n`` rows of a request (row i samples with seed ``params.seed + i``);
         ``with_text=False``: rows that yield token ids only (a front process makes the text)."""
-        budget = self.max_model_len - len(prompt_ids)
-        if params.max_tokens is not None:
-            budget = min(budget, params.max_tokens)
+        budget = params.answer_tokens(len(prompt_ids), self.max_model_len)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
