@@ -293,11 +293,16 @@ class DecodeLoopMetrics:
         queued.inc(changed)
 
     def preempted(self) -> None:
-        """A running request left the batch to be fed again later (the KV cache's budget)."""
+        """A running request left the batch to wait until it is fed again (the KV cache's
+        budget): waiting, not running, meanwhile (as vLLM counts it)."""
         self.preemptions.inc()
+        self.running.dec()
 
-    def admitted(self, timeline: Timeline, now: float) -> None:
-        self.queue_seconds.observe(now - timeline.arrived)
+    def admitted(self, timeline: Timeline, now: float, again: bool = False) -> None:
+        """A waiting request runs; ``again``: one preempted before (its time in the queue
+        was counted the first time)."""
+        if not again:
+            self.queue_seconds.observe(now - timeline.arrived)
         self.running.inc()
 
     def first_tokens(self, timeline: Timeline, prompt_tokens: int, rows: int) -> None:
@@ -318,11 +323,15 @@ class DecodeLoopMetrics:
             self.inter_token.observe(now - timeline.last_token)
             timeline.last_token = now
 
-    def finished(self, timeline: Timeline, reasons: Iterable[str], generated: int) -> None:
+    def finished(
+        self, timeline: Timeline, reasons: Iterable[str], generated: int, running: bool = True
+    ) -> None:
         """An admitted request ended: ``reasons`` per choice, ``generated`` tokens in its
-        longest choice."""
+        longest choice; ``running``: whether it was counted as running (not while it waited,
+        preempted)."""
         now = time.perf_counter()
-        self.running.dec()
+        if running:
+            self.running.dec()
         self.e2e.observe(now - timeline.arrived)
         if generated > 1 and timeline.first_token:
             self.per_output_token.observe((now - timeline.first_token) / (generated - 1))

@@ -210,6 +210,12 @@ class DecodeBatch(ABC):
         return 0
 
     @property
+    def narrows(self) -> bool:
+        """Whether the rows that leave (:meth:`keep`) take with them the columns that only
+        they held, down to the longest row left; where not, the rows left stay as wide."""
+        return False
+
+    @property
     def splits(self) -> bool:
         """Whether :meth:`split` can move rows out (after a step that raised too)."""
         return False
@@ -467,6 +473,10 @@ class ReservedCausalLMBatch(CausalLMBatch):
     @property
     def columns(self) -> int:  # without slicing the mask: asked every step
         return self.cache.end - self.cache.start
+
+    @property
+    def narrows(self) -> bool:
+        return True  # keep trims the columns that are padding in every row left
 
     def _extend(self, tokens: int) -> torch.Tensor:
         return self.cache.reserve(tokens)

@@ -106,6 +106,9 @@ class DecodeRequest:
     resumed: bool = False
     """Set when it left the running rows for the KV cache's budget (preempted): it is fed
     again from its prompt and the tokens it generated so far."""
+    running: bool = False
+    """Whether it is counted as running (``vllm:num_requests_running``): admitted, and not
+    preempted or ended since."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -380,29 +383,34 @@ class ContinuousBatcher:
         admitted: list[DecodeRequest] = []
         rows = self.running_rows
         bounded = bool(self.waiting) and self.kv_budget.tokens is not None
-        cells = self._cells() if bounded else 0
+        # admitted rows are counted as joining the first batch, sharing its columns, as the
+        # prompts fed in parts will once their last part is in
         first = self.running[0] if self.running else None
-        # admitted rows are counted as joining the first batch, sharing its columns
-        joined, columns = (len(first.rows), first.batch.columns) if first else (0, 0)
+        parts = [part.request for part in self.prefilling]
+        joined = (len(first.rows) if first else 0) + sum(len(r.rows) for r in parts)
+        widths = (len(request.prompt_ids) + 1 for request in parts)  # and its first token
+        columns = max([first.batch.columns if first else 0, *widths])
+        others = self._cells(but=first, parts=False) if bounded else 0
         queued = len(self.waiting)
         now = time.perf_counter()
         while self.waiting:
             head = self.waiting[0]
-            if not head.cancelled.is_set():
+            if head.ended:  # its turn failed after it was preempted: nothing left to feed
+                pass
+            elif not head.cancelled.is_set():
                 after = rows + len(head.rows)
                 wide = max(columns, len(head.prompt_ids) + 1)
                 room = wide  # rows that cannot leave get room for all they may reach
                 if bounded and not head.preemptible:
                     room = max(wide, head.reach, self._reserved(admitted))
-                grown = cells - joined * columns + (joined + len(head.rows)) * room
+                grown = others + (joined + len(head.rows)) * room
                 if rows and (
                     after > self.max_rows or (bounded and not self.kv_budget.admits(grown))
                 ):
                     break
                 admitted.append(head)
-                if not head.resumed:
-                    self.metrics.admitted(head.timeline, now)
-                cells += (joined + len(head.rows)) * wide - joined * columns
+                head.running = True
+                self.metrics.admitted(head.timeline, now, again=head.resumed)
                 rows, joined, columns = after, joined + len(head.rows), wide
             elif head.resumed:  # admitted before: its end is counted
                 self._end(head, None)
@@ -418,15 +426,17 @@ class ContinuousBatcher:
         requests += [owner for group in self.running for owner in group.owners]
         return max((r.reach for r in dict.fromkeys(requests) if not r.preemptible), default=0)
 
-    def _cells(self, grow: int = 0, but: Running | None = None) -> int:
+    def _cells(self, grow: int = 0, but: Running | None = None, parts: bool = True) -> int:
         """The token cells the admitted rows' KV caches hold (each batch's rows times its
-        columns, each grown by ``grow`` more; a prompt fed in parts counted whole), but those
-        of batch ``but``."""
+        columns, each grown by ``grow`` more; with ``parts``, a prompt fed in parts counted
+        whole), but those of batch ``but``."""
         cells = sum(
             len(group.rows) * (group.batch.columns + grow)
             for group in self.running
             if group is not but
         )
+        if not parts:
+            return cells
         return cells + sum(len(p.request.rows) * len(p.request.prompt_ids) for p in self.prefilling)
 
     def _over_budget(self, group: Running, live: list[int]) -> list[DecodeRequest]:
@@ -443,7 +453,9 @@ class ContinuousBatcher:
         leaving: list[DecodeRequest] = []
         for request in sorted(mine, key=lambda r: r.timeline.arrived, reverse=True):
             staying = sum(len(r.rows) for r in mine)
-            longest = max(lengths[r] for r in mine) + grow
+            # the columns the rows that stay will hold: as wide as now where they do not narrow
+            widest = max(lengths[r] for r in mine) if group.batch.narrows else group.batch.columns
+            longest = widest + grow
             if self.kv_budget.holds(outside + staying * longest) or staying <= 1:
                 break
             if request.preemptible:
@@ -455,7 +467,7 @@ class ContinuousBatcher:
         """Back to the head of the queue, in their order of arrival, to be fed again once
         there is room (their rows have left the batch)."""
         for request in requests:
-            request.resumed = True
+            request.resumed, request.running = True, False
             self.metrics.preempted()
             logger.info(
                 "a request left the running rows for the KV cache budget after %d tokens; it "
@@ -974,7 +986,9 @@ class ContinuousBatcher:
             request.timeline,
             (finished_reason(row, outcome) for row in request.rows),
             max(len(row.output_ids) for row in request.rows),
+            request.running,
         )
+        request.running = False
 
 
 def prefill_groups(requests: list[DecodeRequest]) -> list[list[DecodeRequest]]:

@@ -345,9 +345,17 @@ class ReservedCache(Cache):
         held = self.mask_buffer[: self.rows, self.start : self.end + 1]
         out[: self.rows, 0, 0, self.start : self.end + 1] = (1 - held).to(out.dtype) * lowest
 
-    def fit_rows(self, rows: int) -> None:
-        """Buffers of at least ``rows`` rows (a batch padded up to a recorded size)."""
-        self._fit(rows, self.end)
+    def fit_step(self, rows: int) -> bool:
+        """Buffers of at least ``rows`` rows (a batch padded up to a recorded size) and room for
+        a decode step's column, so that the step's :meth:`reserve` changes neither; False
+        (nothing changed) where that many rows at the columns in use would not fit in
+        :attr:`max_tokens`: the padding rows count, and the buffers must not be cut below
+        them once fitted."""
+        self._take_trim()
+        if self.max_tokens is not None and rows * (self.end - self.start + 1) > self.max_tokens:
+            return False
+        self._fit(rows, self.end + 1)
+        return True
 
     @contextmanager
     def writing_at(self, column: torch.Tensor, rows: int) -> Iterator[None]:

@@ -196,12 +196,15 @@ class StepGraphs:
 
     def bucket(self, cache: ReservedCache) -> int | None:
         """The rows of the graph that serves the cache's batch (None: none does, run it
-        eagerly), the cache's buffers fitted to them. Before the step's
-        :meth:`~.kv_cache.ReservedCache.reserve` (fitting may move the buffers)."""
+        eagerly), the cache's buffers fitted to them and to the step's column. Before the
+        step's :meth:`~.kv_cache.ReservedCache.reserve` (fitting may move the buffers). Where
+        the padded rows would not fit in the KV cache budget (the batch's own rows do: the
+        decode loop keeps to it), the step runs eagerly."""
         size = bucket_for(cache.rows, self.sizes)
         if self.broken is not None or size is None:
             return None
-        cache.fit_rows(max(size, self.least_rows))
+        if not cache.fit_step(max(size, self.least_rows)):
+            return None
         return size
 
     def step(self, batch: GraphedBatch, tokens: torch.Tensor, size: int) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -253,31 +253,89 @@ async def test_rows_over_the_budget_wait_or_leave_and_every_output_stays_as_alon
 
 def test_a_preempted_request_whose_client_left_ends_in_the_queue(tiny_models) -> None:
     """A request that left the rows and waits to go on, whose client left meanwhile, ends
-    there (its end counted): it is not fed again."""
+    there (its end counted): it is not fed again. While it waits it counts as waiting, not
+    running (as vLLM counts a preempted request)."""
     path = tiny_models["llama"]
     size = str(BUDGET * bytes_per_token(path))
     with loaded(path, "--kv-cache-memory-bytes", size) as backend:
         left = threading.Event()
-
-        def leave_when_preempted() -> None:
-            for waiting in backend.batcher.waiting:
-                if waiting.resumed and not left.is_set():
-                    waiting.cancelled.set()
-                    left.set()
-
         labels = {"model_name": backend.config.model_name, "engine": ENGINE_LABEL}
 
         def sample(name: str) -> float:
             return REGISTRY.get_sample_value(name, labels) or 0.0
 
+        running_while_it_waited: list[float] = []
+
+        def leave_when_preempted() -> None:
+            for waiting in backend.batcher.waiting:
+                if waiting.resumed and not left.is_set():
+                    running_while_it_waited.append(sample(RUNNING))
+                    waiting.cancelled.set()
+                    left.set()
+
         running, preemptions = sample(RUNNING), sample(PREEMPTIONS)
         outputs, _ = submitted_together(backend, traffic(backend)[:2], leave_when_preempted)
         assert left.is_set()
+        assert running_while_it_waited == [running + 1]  # the first request only
         assert len(outputs[0].tokens[0]) == 40
         assert 0 < len(outputs[1].tokens[0]) < 60  # stopped where it left
         assert not backend.batcher.waiting
         assert sample(PREEMPTIONS) == preemptions + 1
         assert sample(RUNNING) == running  # both ended, the one that left the rows included
+
+
+async def test_rows_admitted_while_a_prompt_is_fed_in_parts_count_its_width(
+    tiny_models,
+) -> None:
+    """A 90-token prompt fed in parts of 16 joins the running rows once its last part is in,
+    and they all then share its columns: requests that arrive meanwhile are admitted only
+    where they fit beside it at that width (counted by their own rows' columns, two short
+    ones joined it and took the rows past the budget). Every output is the request's alone."""
+    path = tiny_models["llama"]
+    budget = 250  # two rows of 100 columns fit, three do not
+    size = str(budget * bytes_per_token(path))
+    flags = ("--kv-cache-memory-bytes", size, "--prefill_chunk_tokens", "16")
+    with loaded(path, *flags) as backend:
+        short = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        requests = [
+            ((prompt(backend, "running") * 5)[:5], replace(short, max_tokens=30)),
+            ((prompt(backend, "the long one") * 90)[:90], short),
+            ((prompt(backend, "three") * 5)[:5], short),
+            ((prompt(backend, "four") * 5)[:5], short),
+        ]
+        outputs, held = submitted_together(backend, requests)
+        assert max(held.cells) <= budget
+        for (prompt_ids, params), output in zip(requests, outputs, strict=True):
+            [alone] = await run(backend, prompt_ids, params)
+            assert output.tokens == [alone.token_ids]
+
+
+async def test_rows_left_as_wide_as_transformers_cache_holds_them_leave_for_the_budget(
+    tiny_models, caplog
+) -> None:
+    """On transformers' own cache (a model with sliding-window layers) the rows of a batch
+    keep its columns after its widest row ends: three prompts of 40 and 30 tokens prefilled
+    together, the 40-token one ends at once, the two others grow past the budget at the
+    40-token width although their own tokens would fit. One of them leaves (preempted) and
+    goes on after; counted by their own tokens, none left and the cache outgrew the budget.
+    Every output is the request's alone."""
+    path = tiny_models["llama"]
+    size = str(BUDGET * bytes_per_token(path))
+    with loaded(path, "--kv-cache-memory-bytes", size) as backend:
+        backend.cache_layers = 0  # as for a sliding-window model
+        growing = SamplingParams(temperature=0, max_tokens=75, ignore_eos=True)
+        requests = [
+            ((prompt(backend, "wide") * 40)[:40], replace(growing, max_tokens=3)),
+            ((prompt(backend, "two") * 30)[:30], growing),
+            ((prompt(backend, "three") * 30)[:30], growing),
+        ]
+        with caplog.at_level(logging.INFO):
+            outputs, held = submitted_together(backend, requests)
+        assert max(held.rows) == 3 and max(held.cells) <= BUDGET
+        assert [r for r in caplog.records if "left the running rows" in r.getMessage()]
+        for (prompt_ids, params), output in zip(requests, outputs, strict=True):
+            [alone] = await run(backend, prompt_ids, params)
+            assert output.tokens == [alone.token_ids]
 
 
 # --- requests of n choices ------------------------------------------------------------------

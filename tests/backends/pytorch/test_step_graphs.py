@@ -291,6 +291,32 @@ def test_a_batch_past_the_largest_bucket_runs_eagerly(backends) -> None:
     assert recording.recorded == 0 and graphs.broken is None
 
 
+def test_padding_rows_past_the_kv_cache_budget_run_the_step_eagerly(backends) -> None:
+    """5 rows replay the graph of 8 while 8 rows at their columns fit in the cache's budget;
+    as the columns grow past that (the 5 rows alone still fit: the decode loop keeps to the
+    budget by them), the steps run eagerly, in buffers never past the budget, instead of the
+    buffers being cut below the 8 rows a recorded step writes (which broke the graphs for
+    good). Every step's logits equal the plain batch's."""
+    backend = backends("llama")
+    graphs = StepGraphs(8, Counting())
+    ids = (prompt(backend, PROMPTS[0]) * 10)[:10]
+    budget = 8 * 14 - 1  # 8 rows fit for 3 steps, 5 rows for 11
+    cache = ReservedCache(backend.cache_layers, 8, backend.model.device, budget)
+    graphed = ReservedCausalLMBatch(backend.model, cache, graphs)
+    _, plain = batch_pair(backend, graphs)
+    steps = 0
+    with torch.inference_mode():
+        for batch in (graphed, plain):
+            batch.prefill(ids, 5)
+        while 5 * (cache.end - cache.start + 2) <= budget:
+            step_both(graphed, plain, steps, backend.vocab_size)
+            steps += 1
+            assert cache.row_capacity * cache.column_capacity <= budget
+    assert graphs.broken is None
+    assert 0 < graphs.replayed < steps  # graphed while the padding fit, eager after
+    assert steps >= 6
+
+
 @pytest.mark.usefixtures("fresh_compiles")
 def test_a_compile_that_fails_leaves_the_steps_recorded_uncompiled(backends, caplog) -> None:
     backend = backends("llama")
