@@ -172,6 +172,9 @@ class Running:
     joined_ahead: int = 0
     """Rows that the step queued ahead adds to the batch after :attr:`rows` (the requests whose
     prompts it feeds, :meth:`ContinuousBatcher._feed_ahead`), until it is read."""
+    parts_ahead: bool = False
+    """Whether the step queued ahead feeds parts of prompts fed in parts: its logits are read
+    for them even where every row of the batch ends before."""
 
     @property
     def pending(self) -> bool:
@@ -183,6 +186,7 @@ class Running:
         taken = self.ahead, self.ahead_error
         self.ahead = self.ahead_error = None
         self.joined_ahead = 0
+        self.parts_ahead = False
         return taken
 
     def sampling(self, logits: torch.Tensor) -> SamplingBatch:
@@ -330,6 +334,10 @@ class ContinuousBatcher:
             if alone:  # a prompt whose last part runs alone joins the running batch too
                 self._catch_up()
             self._feed_alone(alone)
+            if joining and not self.running:  # the rows they were to join ended meanwhile
+                for requests in prefill_groups(joining):
+                    self._start(requests)
+                joining = []
             first = self.running[0] if self.running else None
             for group in list(self.running):
                 if group is first:
@@ -759,7 +767,8 @@ class ContinuousBatcher:
         group.rows += [row for request in joining for row in request.rows]
         group.owners += [request for request in joining for _ in request.rows]
         try:
-            self._advance(group, logits, joining=joining, ahead=ahead)
+            if stepping:  # none where the step read before ended every row: parts only
+                self._advance(group, logits, joining=joining, ahead=ahead)
         except Exception as exc:
             logger.exception("a decode step failed for %d requests", len(set(group.owners)))
             for request in dict.fromkeys(group.owners):
@@ -768,7 +777,7 @@ class ContinuousBatcher:
             group.take_ahead()
             self.running.remove(group)
         else:
-            if not group.rows and not group.joined_ahead:
+            if not group.rows and not group.joined_ahead and not group.parts_ahead:
                 group.take_ahead()  # the ended rows' next step
                 self.running.remove(group)
                 self.retire(group.batch)
@@ -973,6 +982,7 @@ class ContinuousBatcher:
             group.ahead_error = exc
             return False
         group.joined_ahead = sum(len(request.rows) for request in joining)
+        group.parts_ahead = bool(parts)
         self.stepped_ahead += 1
         return True
 

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from huggingfaceserver.generation.params import SamplingParams
 from .generation_helpers import PROMPTS, forward_shapes, load, prompt, run
 from .test_decode_loop import (  # noqa: F401 - collected here again, with steps queued ahead
     GREEDY,
+    Prompted,
     alone,
     assert_same_choices,
     packed_prompts,
@@ -186,20 +187,55 @@ async def test_prompts_that_arrive_while_a_step_is_queued_ahead_are_fed_in_its_s
     assert apart == [len(requests[0][0])]
 
 
+async def alone_not_ahead(backend: TransformersGenerator, requests: list[Prompted]):
+    """Each request alone, no step queued ahead: what they must give together."""
+    backend.batcher.step_ahead = False
+    try:
+        return await alone(backend, requests)
+    finally:
+        backend.batcher.step_ahead = True
+
+
+@dataclass
+class FedAhead:
+    """The packed layouts (:class:`~.kv_cache.MixedColumns`) of the steps queued ahead."""
+
+    columns: list = field(default_factory=list)
+
+    def seen(self, kwargs: dict) -> None:
+        if MIXED in kwargs and "_feed_ahead" in {f.function for f in inspect.stack(0)}:
+            self.columns.append(kwargs[MIXED].columns)
+
+
 async def test_a_prompt_fed_in_the_shadow_of_a_step_that_ends_every_row_runs_on(backends) -> None:
     """The running request's last token is read while the step that feeds a new prompt is
     queued on it: the batch stays for the new request's rows, which go on as alone."""
     backend = backends("llama")
     first = (prompt(backend, PROMPTS[0]), replace(GREEDY, max_tokens=3))
     second = (prompt(backend, PROMPTS[1]), GREEDY)
-    backend.batcher.step_ahead = False
-    try:
-        expected = await alone(backend, [first, second])
-    finally:
-        backend.batcher.step_ahead = True
-    outputs: list[list[int]] = [[], []]
-    ends: list[object] = ["running", "running"]
-    done = threading.Semaphore(0)
+    expected = await alone_not_ahead(backend, [first, second])
+    fed = FedAhead()
+    outputs, ends = submitted_while_the_last_step_is_queued(backend, first, [second], fed.seen)
+    in_shadow = [length for columns in fed.columns for length in columns.lengths]
+    assert ends == [None, None]
+    assert outputs == [choices[0].token_ids for choices in expected]
+    assert in_shadow == [len(second[0])]
+
+
+def submitted_while_the_last_step_is_queued(
+    backend: TransformersGenerator,
+    running: Prompted,
+    arriving: list[Prompted],
+    seen: Callable[[dict], None] = lambda kwargs: None,
+) -> tuple[list[list[int]], list[object]]:
+    """``running`` alone, 3 tokens: the ``arriving`` requests are submitted as the step that
+    gives its last token is queued, so that the turn that admits them reads that step (and
+    ends its rows). Each request's tokens and last word (None, or what failed it), each
+    waited for 60 s at most; ``seen`` gets every forward's keyword arguments."""
+    everyone = [running, *arriving]
+    outputs: list[list[int]] = [[] for _ in everyone]
+    ends: list[object] = ["running" for _ in everyone]
+    done = [threading.Event() for _ in everyone]
 
     def emit_to(index: int) -> Callable[[object], None]:
         def emit(item: object) -> None:
@@ -207,34 +243,74 @@ async def test_a_prompt_fed_in_the_shadow_of_a_step_that_ends_every_row_runs_on(
                 outputs[index] += [token for delta in item for token in delta.token_ids]
             else:  # None, or what failed it
                 ends[index] = item
-                done.release()
+                done[index].set()
 
         return emit
 
     requests = [
         DecodeRequest(backend.new_sequences(ids, params), emit_to(i))
-        for i, (ids, params) in enumerate([first, second])
+        for i, (ids, params) in enumerate(everyone)
     ]
     batcher = backend.batcher
-    in_shadow: list[int] = []
+    submitted = threading.Event()
 
-    def arrive_then_feed(_module, _args, kwargs) -> None:
+    def arrive(_module, _args, kwargs) -> None:
         queued_by = {f.function for f in inspect.stack(0)}
-        if "_step_ahead" in queued_by and not batcher.waiting and len(outputs[0]) == 1:
-            batcher.submit(requests[1])  # as the 3rd step is queued: read in the next turn
-        if MIXED in kwargs and "_feed_ahead" in queued_by:
-            in_shadow.extend(kwargs[MIXED].columns.lengths)
+        if "_step_ahead" in queued_by and not submitted.is_set() and len(outputs[0]) == 1:
+            submitted.set()
+            with batcher.wake:  # admitted together, in the next turn
+                for request in requests[1:]:
+                    batcher.submit(request)
+        seen(kwargs)
 
-    hook = backend.model.register_forward_pre_hook(arrive_then_feed, with_kwargs=True)
+    hook = backend.model.register_forward_pre_hook(arrive, with_kwargs=True)
     try:
         batcher.submit(requests[0])
-        for _ in requests:
-            await asyncio.to_thread(done.acquire)
+        for event in done:
+            event.wait(60)
     finally:
         hook.remove()
+    assert submitted.is_set()
+    return outputs, ends
+
+
+async def test_a_prompt_part_fed_in_the_shadow_of_a_step_that_ends_every_row_runs_on(
+    in_parts,
+) -> None:
+    """As above, the new prompt fed in parts: its first part goes in the step queued on the
+    running request's last token, whose rows then all end; the part's logits are read with
+    that step all the same and the prompt goes on (it failed with a 500: the batch was let go
+    with its queued step, as if that step had failed)."""
+    backend = in_parts
+    first = (prompt(backend, "Hello"), replace(GREEDY, max_tokens=3))
+    second = (prompt(backend, PROMPTS[2]), replace(GREEDY, max_tokens=8))
+    assert len(first[0]) <= 4 < len(second[0])  # whole, and in parts of 4
+    expected = await alone_not_ahead(backend, [first, second])
+    fed = FedAhead()
+    outputs, ends = submitted_while_the_last_step_is_queued(backend, first, [second], fed.seen)
+    parts_in_shadow = [part.tokens for columns in fed.columns for part in columns.parts]
     assert ends == [None, None]
     assert outputs == [choices[0].token_ids for choices in expected]
-    assert in_shadow == [len(second[0])]
+    assert parts_in_shadow[:1] == [4]  # the first part, fed in the step queued ahead
+
+
+async def test_a_prompt_chosen_to_join_rows_that_end_before_it_is_fed_runs_alone(
+    in_parts,
+) -> None:
+    """Two requests admitted in one turn while the running request's last step is queued:
+    one to be fed in the running rows' step, the other whole (no room left in the step). The
+    whole one's start reads the queued step first, which ends the running rows, and itself
+    ends at its first token: no batch is left to feed the first one, which then starts on
+    its own (it was dropped: never a token nor an end, its client waiting for ever)."""
+    backend = in_parts
+    running = (prompt(backend, "Hello"), replace(GREEDY, max_tokens=3))
+    joining = ((prompt(backend, PROMPTS[0]) * 3)[:3], replace(GREEDY, max_tokens=5))
+    whole = ((prompt(backend, PROMPTS[1]) * 3)[:3], replace(GREEDY, max_tokens=1))
+    assert len(running[0]) <= 4  # whole; the two others fit the step's 4 tokens one at a time
+    expected = await alone_not_ahead(backend, [running, joining, whole])
+    outputs, ends = submitted_while_the_last_step_is_queued(backend, running, [joining, whole])
+    assert ends == [None, None, None]
+    assert outputs == [choices[0].token_ids for choices in expected]
 
 
 async def test_a_step_queued_ahead_that_fails_is_retried_apart(backends, caplog) -> None:
