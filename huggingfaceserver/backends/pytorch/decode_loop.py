@@ -269,6 +269,22 @@ class ContinuousBatcher:
             self.metrics.queue_length(len(self.waiting), 1)
             self.wake.notify()
 
+    def withdraw(self, request: DecodeRequest) -> None:
+        """A request whose client left (:attr:`DecodeRequest.cancelled` set): where it waits in
+        the queue, it leaves it now, not once it reaches the head (the queue's gauge with it,
+        which autoscalers read; one preempted before ends there, its end counted). Running
+        rows stop at their next step, as before."""
+        with self.wake:
+            if request.running or request.ended:
+                return
+            try:
+                self.waiting.remove(request)
+            except ValueError:  # not queued yet, or being preempted: the head drops it
+                return
+            self.metrics.queue_length(len(self.waiting), -1)
+            if request.resumed:
+                self._end(request, None)
+
     def run_on_loop(self, function: Callable[[], T]) -> T:
         """``function()`` on the decode thread, waited for: torch's CPU threads must be set on
         the thread that runs the forward passes (OpenMP keeps a team per calling thread)."""

@@ -490,6 +490,7 @@ class TransformersGenerator(GenerationBackend):
                     yield item
             finally:
                 request.cancelled.set()  # a consumer that left (closed or cancelled) stops it
+                self.batcher.withdraw(request)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter at run time (on the decode thread, between two steps), served

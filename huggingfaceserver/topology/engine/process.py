@@ -256,6 +256,8 @@ class Engine:
         self.live.pop(key, None)
         if isinstance(request, DecodeRequest):
             request.cancelled.set()
+            if isinstance(self.backend, TransformersGenerator):
+                self.backend.batcher.withdraw(request)
         elif request is not None:
             request.cancelled = True
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from huggingfaceserver.backends.pytorch.decode_loop import (
     PADDING_LIMIT,
@@ -28,6 +29,7 @@ from huggingfaceserver.backends.pytorch.sequence import SequenceState
 from huggingfaceserver.backends.pytorch.step_graphs import StepGraphs, eager
 from huggingfaceserver.errors import NotReady, ServerError
 from huggingfaceserver.generation.params import SamplingParams, TokenLogprob
+from huggingfaceserver.observability.metrics import ENGINE_LABEL
 from huggingfaceserver.observability.syncs import SyncCounter
 
 from .generation_helpers import (
@@ -540,6 +542,36 @@ async def test_a_request_that_leaves_frees_its_rows(backends, caplog) -> None:
     assert choice.token_ids == expected.token_ids
     assert await asyncio.to_thread(wait_until_idle, backend)
     assert "generation cancelled (client gone)" in caplog.text
+
+
+async def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_at_once(
+    tiny_models: dict[str, Path],
+) -> None:
+    """With the loop's one row taken, a request waits; its client leaves: it leaves the queue
+    then, with the waiting gauge (which autoscalers read), not once the running request ends
+    and it reaches the queue's head. The running request goes on to its last token."""
+    backend = load(tiny_models["llama"], "--max_batch_size", "1")
+    labels = {"model_name": backend.config.model_name, "engine": ENGINE_LABEL}
+    try:
+        with slow_forward(backend):
+            running = backend.generate(prompt(backend), replace(GREEDY, max_tokens=100))
+            await anext(running)
+            waiting = backend.generate(prompt(backend, PROMPTS[1]), GREEDY)
+            next_delta = asyncio.ensure_future(anext(waiting))
+            while not backend.batcher.waiting:  # submitted, behind the running request
+                await asyncio.sleep(0.001)
+            assert REGISTRY.get_sample_value("vllm:num_requests_waiting", labels) == 1
+            next_delta.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await next_delta
+            await waiting.aclose()
+            assert not backend.batcher.waiting
+            assert REGISTRY.get_sample_value("vllm:num_requests_waiting", labels) == 0
+            assert backend.batcher.running  # the first request still decodes
+            generated = 1 + sum([len(deltas) async for deltas in running])
+        assert generated == 100
+    finally:
+        backend.shutdown()
 
 
 async def test_a_failing_prefill_fails_only_its_request(backends) -> None:
