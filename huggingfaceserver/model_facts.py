@@ -30,6 +30,25 @@ CONTEXT_LENGTH_ATTRIBUTES = (
 """Config attributes that bound the positions a model takes: those vLLM reads (its
 ``_get_and_verify_max_len``); where several are set, the smallest binds."""
 
+PADDING_OFFSET_POSITIONS: dict[str, int | None] = {
+    "roberta": None,
+    "roberta-prelayernorm": None,
+    "xlm-roberta": None,
+    "xlm-roberta-xl": None,
+    "camembert": None,
+    "data2vec-text": None,
+    "ibert": None,
+    "longformer": None,
+    "luke": None,
+    "markuplm": None,
+    "xmod": None,
+    "mpnet": 1,
+}
+"""Model types whose position ids begin after the padding id (transformers'
+``create_position_ids_from_input_ids``), by that id: None, the config's ``pad_token_id``
+(MPNet's is 1 whatever its config says). Of their ``max_position_embeddings``, the first
+``padding id + 1`` hold no token (RoBERTa's 514 take 512 tokens)."""
+
 WEIGHT_FORMATS = ((".safetensors",), (".bin", ".pt", ".pth"))
 """Weight files by format, as transformers and vLLM prefer them: safetensors where there are,
 else PyTorch's pickles. A folder with both holds the same weights twice and loads one set."""
@@ -59,10 +78,19 @@ class ModelFacts:
 def context_length(config: PretrainedConfig) -> int | None:
     """The smallest of the position limits :data:`CONTEXT_LENGTH_ATTRIBUTES` that the config
     sets, read on its text config (a composite model's language part, else the config
-    itself); None where it sets none."""
+    itself), the positions before the first token taken off where the model has some
+    (:data:`PADDING_OFFSET_POSITIONS`); None where it sets none."""
     text = config.get_text_config()
     limits = [getattr(text, name, None) for name in CONTEXT_LENGTH_ATTRIBUTES]
     known = [int(limit) for limit in limits if isinstance(limit, int) and limit > 0]
+    positions = getattr(text, "max_position_embeddings", None)
+    if text.model_type in PADDING_OFFSET_POSITIONS and isinstance(positions, int):
+        pad = PADDING_OFFSET_POSITIONS[text.model_type]
+        if pad is None:
+            pad = getattr(text, "pad_token_id", None)
+        first = pad + 1 if isinstance(pad, int) and pad >= 0 else 2  # RoBERTa's: pad id 1
+        known = [limit for limit in known if limit != positions]
+        known.append(max(1, positions - first))
     return min(known) if known else None
 
 

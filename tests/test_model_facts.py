@@ -64,6 +64,20 @@ def test_a_composite_model_s_context_is_its_text_config_s():
     assert context_length(clip) == 77
 
 
+def test_positions_before_the_first_token_are_not_context():
+    """RoBERTa-like models number positions from the padding id on: 514 embeddings, 512
+    tokens (MPNet, XLM-R alike); BERT's 512 are all tokens'."""
+    assert context_length(AutoConfig.for_model("roberta", max_position_embeddings=514)) == 512
+    assert context_length(AutoConfig.for_model("xlm-roberta", max_position_embeddings=514)) == 512
+    assert context_length(AutoConfig.for_model("mpnet", max_position_embeddings=514)) == 512
+    assert context_length(AutoConfig.for_model("mpnet")) == 510  # its config's default: 512
+    mpnet_padded_at_0 = AutoConfig.for_model("mpnet", max_position_embeddings=514, pad_token_id=0)
+    assert context_length(mpnet_padded_at_0) == 512  # its positions count from 1 regardless
+    padded_at_0 = AutoConfig.for_model("roberta", max_position_embeddings=130, pad_token_id=0)
+    assert context_length(padded_at_0) == 129
+    assert context_length(BertConfig(max_position_embeddings=512)) == 512
+
+
 GENERATOR_NAMES_BEFORE = (
     "max_position_embeddings",
     "n_positions",

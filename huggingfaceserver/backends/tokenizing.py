@@ -107,6 +107,28 @@ def resolve_max_length(
     return requested
 
 
+def token_inputs(
+    inputs: EncoderInputs, truncation: Truncation | None, vocab: int, max_length: int
+) -> list[list[int]]:
+    """Token id inputs (used as they are: no special tokens added), cut as the request's own
+    truncation cuts its texts where it asks for one (``right`` keeps the start), then
+    checked."""
+    ids: list[list[int]] = [list(i) for i in inputs]  # type: ignore[arg-type]
+    if truncation is not None and truncation.enabled:
+        keep = truncation.limit
+        ids = [i[:keep] if truncation.side == "right" else i[-keep:] for i in ids]
+    check_token_inputs(ids, vocab, max_length)
+    return ids
+
+
+def check_rows_have_tokens(rows: Sequence[Row]) -> None:
+    """A 400 for a text that tokenizes to nothing (an empty text, where the model adds no
+    special tokens of its own): its row would have no position to pool or classify."""
+    for index, row in enumerate(rows):
+        if not len(row["input_ids"]):
+            raise BadRequest(f"input {index} has no tokens: an empty text, and the model adds none")
+
+
 def check_token_inputs(inputs: list[list[int]], vocab: int, max_length: int) -> None:
     """Token id inputs (used as they are) must be non-empty, fit, and be in the vocabulary."""
     for index, ids in enumerate(inputs):
@@ -413,8 +435,7 @@ class TokenizingEncoder(EncoderBackend):
         """A request's inputs checked and tokenized (blocking: on the event loop only for small
         requests, see :meth:`tokenizes_inline`): each one's token count, and its row."""
         if inputs and not isinstance(inputs[0], str):
-            ids: list[list[int]] = [list(i) for i in inputs]  # type: ignore[arg-type]
-            check_token_inputs(ids, len(self.tokenizer), self.max_length)
+            ids = token_inputs(inputs, truncation, len(self.tokenizer), self.max_length)
             rows = self.inputs.token_ids(ids)
         else:
             for index, text in enumerate(inputs):
@@ -424,6 +445,7 @@ class TokenizingEncoder(EncoderBackend):
                 texts = [prompt + text for text in texts]
             length = self.inputs.prompt_length(prompt) if self.inputs.pooling_mask else 0
             rows = self.inputs.texts(texts, truncation, length)
+            check_rows_have_tokens(rows)
         self.task.check_rows(rows)
         return [len(row["input_ids"]) for row in rows], rows
 
@@ -435,6 +457,7 @@ class TokenizingEncoder(EncoderBackend):
     ) -> tuple[list[int], list[Row]]:
         """Text pairs for a cross-encoder, truncated to the maximum length."""
         rows = self.inputs.pairs_of(pairs, truncation, one_query)
+        check_rows_have_tokens(rows)
         return [len(row["input_ids"]) for row in rows], rows
 
     def run_rows(self, batch: BatchEncoding, kinds: list[str]) -> list[Any]:

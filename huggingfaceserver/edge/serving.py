@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import signal
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,13 +73,32 @@ class ModelAwareDataPlane(DataPlane):
         self, body: bytes | InferenceRequest, headers: dict, model_name: str
     ) -> InferRequest:
         """A V2 JSON body sent without ``content-type: application/json`` (curl's default) is
-        still JSON; KServe alone would take it for binary tensor data and refuse it."""
-        if isinstance(body, bytes) and INFERENCE_CONTENT_LENGTH_HEADER not in headers:
+        still JSON; KServe alone would take it for binary tensor data and refuse it. A body
+        in the binary tensor extension (JSON of ``Inference-Header-Content-Length`` bytes,
+        then the tensors' bytes) that KServe cannot read is a 400 naming what is wrong, not a
+        500."""
+        if not isinstance(body, bytes):
+            return super().decode_inference_request(body, headers, model_name)
+        if INFERENCE_CONTENT_LENGTH_HEADER not in headers:
             try:
                 body = InferenceRequest.model_validate_json(body)
             except ValidationError as exc:
                 raise BadRequest(describe_validation_error(exc)) from None
-        return super().decode_inference_request(body, headers, model_name)
+            return super().decode_inference_request(body, headers, model_name)
+        length = headers[INFERENCE_CONTENT_LENGTH_HEADER]
+        if not (length.isdecimal() and int(length) <= len(body)):
+            raise BadRequest(
+                f"header {INFERENCE_CONTENT_LENGTH_HEADER}: {length!r} is not the length of "
+                f"the JSON at the start of the body ({len(body)} bytes)"
+            )
+        try:
+            return super().decode_inference_request(body, headers, model_name)
+        except struct.error as exc:  # BYTES whose length prefixes overrun the data
+            raise BadRequest(
+                f"binary tensor request: its BYTES are not length-prefixed strings ({exc})"
+            ) from None
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise BadRequest(f"binary tensor request: cannot read it ({exc!r})") from None
 
 
 def adapter_names(model: BackendModel) -> list[str]:

@@ -23,6 +23,11 @@ from .params import Output
 if TYPE_CHECKING:  # the results are made in the process that runs the model
     import torch
 
+PROBABILITY_FUNCTIONS = {"multi_label_classification": "Sigmoid", "regression": "Identity"}
+"""What ``--return_probabilities`` applies by the config's ``problem_type``, as transformers'
+text-classification pipeline chooses; a softmax otherwise. One label: the model's activation,
+as its scores (a softmax over one logit would be 1.0 always)."""
+
 PADDING_LABEL = -1
 """Fills the V2 token-label tensor past an instance's last token (instances differ in length)."""
 
@@ -43,6 +48,8 @@ class SequenceClassification(EncoderTask):
         Output.logits: "logits",
     }
     activation: torch.nn.Module
+    probability: torch.nn.Module
+    """What turns logits into ``--return_probabilities``' values (:data:`PROBABILITY_FUNCTIONS`)."""
 
     @property
     def one_label(self) -> bool:
@@ -62,6 +69,19 @@ class SequenceClassification(EncoderTask):
         name = sentence.activation_fn if sentence is not None else None
         default = torch.nn.Sigmoid() if self.one_label else torch.nn.Identity()
         self.activation = activation(name) if name else default
+        problem = str(getattr(self.source.config, "problem_type", None))
+        function = PROBABILITY_FUNCTIONS.get(problem)
+        self.probability = self.activation if self.one_label else torch.nn.Softmax(dim=-1)
+        if function and not self.one_label:
+            self.probability = activation(function)
+
+    def score_values(self, logits: torch.Tensor) -> Any:
+        if not self.options.return_probabilities:
+            return super().score_values(logits)
+        import torch
+
+        with torch.inference_mode():
+            return self.probability(logits.float()).tolist()
 
     def results(self, raw: torch.Tensor, batch: BatchEncoding) -> list[Any]:
         if self.options.scores:

@@ -9,6 +9,7 @@ decoded. A request's ``parameters`` choose a prompt and a truncation
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,8 @@ def instances_from_v2(request: InferRequest, max_inputs: int, pairs: bool = Fals
         array = tensor.as_numpy()
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"{name}: data does not match shape {shape}: {exc}") from None
+    except struct.error as exc:  # raw BYTES whose length prefixes overrun the data
+        raise BadRequest(f"{name}: its raw BYTES are not length-prefixed strings: {exc}") from None
     if array.size != int(np.prod(shape)):
         raise BadRequest(f"{name}: {array.size} values for shape {shape}")
     texts = _check_texts(array.reshape(-1).tolist(), name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    pipeline,
 )
 
 from tests.harness import client_for
+from tiny_models import build_encoder_architecture
 
 SEQUENCE_MODELS = ["bert_sequence_classification", "distilbert_sequence_classification"]
 TOKEN_MODEL = "bert_token_classification"
@@ -170,6 +173,46 @@ async def test_sequence_labels_key_the_probabilities(encoder, tiny_models, name)
     assert_dicts_close(await predictions_v1(model, SENTENCES), want, 1e-4)
     output = await output_v2(model, SENTENCES)
     assert_dicts_close([json.loads(text) for text in output["data"]], want, 1e-4)
+
+
+@pytest.mark.parametrize("case", ["multi_label", "one_label"])
+async def test_probabilities_are_the_pipelines_beyond_a_softmax(
+    encoder, tiny_models, tmp_path, case
+):
+    """``--return_probabilities`` applies what transformers' text-classification pipeline
+    does: a sigmoid per class for a multi-label model, the score of a one-label model (a
+    softmax over one logit is 1.0 for every text)."""
+    if case == "multi_label":
+        path = tmp_path / "multi_label"
+        shutil.copytree(tiny_models["bert_sequence_classification"], path)
+        config = json.loads((path / "config.json").read_text())
+        config["problem_type"] = "multi_label_classification"
+        (path / "config.json").write_text(json.dumps(config))
+    else:
+        path = build_encoder_architecture(
+            tmp_path / "one_label", "bert", "sequence_classification", cross_encoder=True
+        )
+    classify = pipeline("text-classification", model=str(path), top_k=None)
+    model = encoder(path, "--return_labels", "--return_probabilities")
+    got = await predictions_v1(model, SENTENCES)
+    for text, scores in zip(SENTENCES, got, strict=True):
+        want = {result["label"]: result["score"] for result in classify([text])[0]}
+        assert scores == pytest.approx(want, abs=1e-4)
+        assert sum(scores.values()) != pytest.approx(1.0, abs=0.01)  # not a softmax
+
+
+async def test_a_text_of_no_tokens_is_a_400_naming_it(encoder, tiny_models):
+    """An empty text has no tokens where the model adds no special ones: nothing to classify
+    (its row had no position: a 500 for the batch). With [CLS] and [SEP] it is served."""
+    path = tiny_models["bert_sequence_classification"]
+    bare = encoder(path, "--disable_special_tokens")
+    async with client_for(bare) as client:
+        route = f"/v1/models/{bare.name}:predict"
+        response = await client.post(route, json={"instances": ["okay", ""]})
+        assert response.status_code == 400, response.text
+        assert "input 1 has no tokens" in response.json()["error"]
+        assert (await client.post(route, json={"instances": ["okay"]})).status_code == 200
+    assert len(await predictions_v1(encoder(path), ["okay", ""])) == 2
 
 
 @pytest.mark.parametrize("name", SEQUENCE_MODELS)

@@ -6,7 +6,11 @@ import json
 import re
 
 import pytest
+from kserve.protocol.grpc.grpc_predict_v2_pb2 import ModelInferRequest
+from kserve.protocol.infer_type import InferRequest
 
+from huggingfaceserver.errors import BadRequest
+from huggingfaceserver.protocols.kserve_inputs import instances_from_v2
 from tests.harness import client_for
 
 NAME = "fm"
@@ -57,6 +61,26 @@ def fault(case_id, method, path, status, says, **request_args):
 
 
 NOT_JSON = b'{"instances": ['
+LENGTH = "Inference-Header-Content-Length"
+
+
+def binary_v2(raw: bytes, header: dict | None = None, length: str | None = None) -> dict:
+    """A request in V2's binary tensor extension (what tritonclient sends): the JSON header,
+    then ``raw``, the input's bytes (BYTES: each string's 4-byte little-endian length, then
+    the string)."""
+    tensor = {"name": "input-0", "datatype": "BYTES", "shape": [1]}
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = {"inputs": [tensor]} if header is None else header
+    encoded = json.dumps(header).encode()
+    length = str(len(encoded)) if length is None else length
+    return {"content": encoded + raw, "headers": {LENGTH: length}}
+
+
+def length_prefixed(text: str) -> bytes:
+    encoded = text.encode()
+    return len(encoded).to_bytes(4, "little") + encoded
+
+
 CLIENT_FAULTS = [
     # unknown model
     fault("v1-predict-unknown-model", "POST", "/v1/models/nope:predict", 404, "nope",
@@ -114,6 +138,17 @@ CLIENT_FAULTS = [
     fault("v2-input-missing-fields", "POST", V2, 400, "datatype|shape|data",
           json={"inputs": [{"name": "input-0"}]}),
     fault("v2-array-body", "POST", V2, 400, None, json=[v2_input()]),
+    # the binary tensor extension: a header, JSON or tensor bytes it cannot read
+    fault("v2-binary-length-not-a-number", "POST", V2, 400, LENGTH,
+          **binary_v2(length_prefixed(GOOD_TEXT), length="abc")),
+    fault("v2-binary-length-past-the-body", "POST", V2, 400, LENGTH,
+          **binary_v2(length_prefixed(GOOD_TEXT), length="100000")),
+    fault("v2-binary-no-inputs", "POST", V2, 400, "inputs",
+          **binary_v2(length_prefixed(GOOD_TEXT), header={"outputs": []})),
+    fault("v2-binary-input-without-name", "POST", V2, 400, "name",
+          **binary_v2(b"", header={"inputs": [{"datatype": "BYTES", "shape": [1]}]})),
+    fault("v2-binary-bytes-overrun", "POST", V2, 400, "length-prefixed",
+          **binary_v2(b"\x10\x00\x00\x00abc")),
 ]  # fmt: skip
 
 
@@ -125,6 +160,21 @@ async def test_client_fault_is_a_4xx_error_and_the_model_keeps_serving(
         response = await client.request(method, path, **request_args)
         assert_error(response, status, says)
         await assert_still_serving(client)
+
+
+async def test_a_v2_request_in_the_binary_tensor_extension_is_served(fill_mask):
+    async with client_for(fill_mask) as client:
+        binary = await client.post(V2, **binary_v2(length_prefixed(GOOD_TEXT)))
+        plain = await client.post(V2, json=v2_body())
+    assert binary.status_code == 200, binary.text
+    assert binary.json()["outputs"] == plain.json()["outputs"]
+
+
+def test_raw_grpc_bytes_whose_lengths_overrun_the_data_are_a_bad_request():
+    request = ModelInferRequest(model_name=NAME, raw_input_contents=[b"\x10\x00\x00\x00abc"])
+    request.inputs.add(name="input-0", datatype="BYTES", shape=[1])
+    with pytest.raises(BadRequest, match="length-prefixed"):
+        instances_from_v2(InferRequest.from_grpc(request), 10)
 
 
 async def test_a_bare_string_is_one_instance(fill_mask):

@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from ...loading import ModelSource
+from ...model_facts import context_length
 from . import OnnxUnavailable
 
 logger = logging.getLogger(__name__)
@@ -159,9 +160,9 @@ def probe_batch(
 
 
 def position_limit(config: Any) -> int:
-    """Tokens a row may have (RoBERTa-like models number positions from the padding id on)."""
-    positions = getattr(config, "max_position_embeddings", None) or 512
-    return max(1, int(positions) - 2)
+    """Tokens a row may have: the model's context length (RoBERTa-like models' positions from
+    the padding id on taken off), 512 where its config sets none."""
+    return context_length(config) or 512
 
 
 def torch_output(model: Any, names: Sequence[str], output: str, batch: dict[str, np.ndarray]):

@@ -22,7 +22,7 @@ from ...sentence.similarity import unit
 from ...tasks import Task
 from ..base import EncoderBackend, EncoderInputs, ModelInfo
 from ..row_tokenizer import RowTokenizer
-from ..tokenizing import SentenceSettings, check_token_inputs
+from ..tokenizing import SentenceSettings, check_rows_have_tokens, token_inputs
 from ..truncation import Truncation, asked_truncation
 from . import compat
 from .engine import ENGINE_DIED, EngineHolder
@@ -76,12 +76,12 @@ class VLLMEmbedder(EngineHolder, EncoderBackend):
             prompt = self.prompts.text(params)
             texts = [prompt + text for text in inputs]  # type: ignore[operator]
             rows = self.inputs.texts(texts, self.truncation(params))
+            check_rows_have_tokens(rows)
             return [[int(i) for i in row["input_ids"]] for row in rows]
         if params.asks_prompt:
             raise BadRequest("a prompt applies to texts; token ids are used as they are")
-        ids_lists: list[list[int]] = [list(ids) for ids in inputs]  # type: ignore[arg-type]
-        check_token_inputs(ids_lists, len(self.tokenizer), self.max_length)
-        return ids_lists
+        truncation = self.truncation(params)
+        return token_inputs(inputs, truncation, len(self.tokenizer), self.max_length)
 
     def info(self) -> ModelInfo:
         return ModelInfo(

@@ -20,11 +20,15 @@ from .encoder_responses import (
 from .models import ServedModels
 
 
-def shorten(vectors: list[list[float]], dimensions: int | None) -> list[list[float]] | np.ndarray:
-    """OpenAI's ``dimensions``: keep the first ones, then re-normalise."""
+def shorten(
+    vectors: list[list[float]], dimensions: int | None, normalize: bool | None = None
+) -> list[list[float]] | np.ndarray:
+    """OpenAI's ``dimensions``: keep the first ones, then re-normalise, unless the request
+    said ``normalize: false`` (vLLM's, as TEI's ``/embed`` does)."""
     if dimensions is None:
         return vectors
-    return unit(first_dimensions(vectors, dimensions))
+    kept = first_dimensions(vectors, dimensions)
+    return kept if normalize is False else unit(kept)
 
 
 async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> EmbeddingResponse:
@@ -39,7 +43,7 @@ async def create_embeddings(models: ServedModels, request: EmbeddingRequest) -> 
     check_input_count(len(inputs), model.max_inputs_per_request)
     params = request.encode_params()
     vectors, counts = await backend.infer_counted(inputs, params, request.output)
-    shortened = shorten(vectors, request.dimensions)
+    shortened = shorten(vectors, request.dimensions, request.normalize)
     return embedding_response(model.name, shortened, sum(counts), as_base64=request.base64)
 
 

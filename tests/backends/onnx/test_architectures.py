@@ -6,6 +6,8 @@ within 1e-4. On ``--backend onnx`` and ``openvino`` the model must run on that r
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,3 +166,32 @@ async def test_rerank_scores(models, encoder, architecture, backend):
     for document, score in zip(DOCUMENTS, scores, strict=True):
         _, output = reference(AutoModelForSequenceClassification, path, QUERY, document)
         assert score == pytest.approx(torch.sigmoid(output.logits[0, 0]).item(), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("backend", ["onnx", "huggingface"])
+@pytest.mark.parametrize("architecture", ["roberta", "xlm-roberta", "mpnet"])
+async def test_a_tokenizer_without_a_maximum_is_cut_at_the_positions_the_model_has(
+    models, encoder, tmp_path, architecture, backend
+):
+    """A RoBERTa-like folder whose tokenizer declares no maximum length (as roberta-base's
+    has no tokenizer_config.json): the model numbers positions after the padding id, so of
+    its 130 position embeddings 128 hold tokens. A longer text is cut at 128 (at 130 its
+    forward failed: a 500, the batch's other requests with it), as transformers gives."""
+    path = tmp_path / architecture
+    shutil.copytree(models(architecture, "sequence_classification"), path)
+    tokenizer_config = path / "tokenizer_config.json"
+    settings = json.loads(tokenizer_config.read_text())
+    del settings["model_max_length"]
+    tokenizer_config.write_text(json.dumps(settings))
+    assert AutoTokenizer.from_pretrained(path).model_max_length > 10**6
+    long_text = " ".join(TEXTS * 8)
+    model = served(encoder, path, backend, "--return_probabilities")
+    [prediction] = (await predict(model, [long_text]))["predictions"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    encoding = tokenizer(long_text, truncation=True, max_length=128, return_tensors="pt")
+    assert encoding["input_ids"].shape[1] == 128 < len(tokenizer(long_text)["input_ids"])
+    with torch.no_grad():
+        logits = AutoModelForSequenceClassification.from_pretrained(path)(**encoding).logits
+    expected = torch.softmax(logits[0], dim=-1)
+    got = torch.tensor([prediction[str(i)] for i in range(len(expected))])
+    assert torch.allclose(got, expected, atol=TOLERANCE)

@@ -120,6 +120,20 @@ async def test_truncation_on_either_side_to_any_length(short, short_st, directio
     assert cosines(got[None], want[None])[0] >= 0.9999
 
 
+@pytest.mark.parametrize("direction", ["right", "left"])
+async def test_token_ids_are_cut_by_the_requests_truncation(short, short_st, direction):
+    """Token ids (no special tokens added) are cut as the request's texts would be: to
+    ``truncate_prompt_tokens`` on its side, over the maximum (16) included."""
+    tokenizer = AutoTokenizer.from_pretrained(short_st[0].model.name_or_path)
+    ids = tokenizer(LONG)["input_ids"]
+    assert len(ids) > 16
+    extra = {"truncation_direction": direction, "truncate_prompt_tokens": 10}
+    [got], tokens = await embed(short, [ids], **extra)
+    kept = ids[:10] if direction == "right" else ids[-10:]
+    assert tokens == 10
+    assert cosines(got[None], embed_ids(short_st, kept)[None])[0] >= 0.9999
+
+
 async def test_normalize(encoder, sentence_models, reference, runtime):
     """vLLM's ``normalize``: false leaves out the model's Normalize module, true normalises a
     model that does not."""

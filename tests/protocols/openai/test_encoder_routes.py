@@ -70,6 +70,14 @@ async def test_float_format_token_ids_and_dimensions(minilm, minilm_path):
             "/openai/v1/embeddings",
             json={"model": "minilm", "input": SENTENCES[0], "dimensions": 8},
         )
+        short_raw = await client.post(
+            "/openai/v1/embeddings",
+            json={"model": "minilm", "input": SENTENCES[0], "dimensions": 8, "normalize": False},
+        )
+        raw = await client.post(
+            "/openai/v1/embeddings",
+            json={"model": "minilm", "input": SENTENCES[0], "normalize": False},
+        )
     body = as_text.json()
     assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
     full = torch.tensor(body["data"][0]["embedding"])
@@ -77,6 +85,10 @@ async def test_float_format_token_ids_and_dimensions(minilm, minilm_path):
     shortened = torch.tensor(short.json()["data"][0]["embedding"])
     assert shortened.shape == (8,)
     assert torch.allclose(shortened, full[:8] / full[:8].norm(), atol=1e-5)
+    unnormalized = torch.tensor(raw.json()["data"][0]["embedding"])
+    assert unnormalized.norm() > 1.5  # MiniLM's pooled vector before its Normalize module
+    cut = torch.tensor(short_raw.json()["data"][0]["embedding"])
+    assert torch.allclose(cut, unnormalized[:8], atol=1e-5)  # cut, not normalised again
 
 
 async def test_rerank_with_an_embedding_model(minilm, minilm_path):
