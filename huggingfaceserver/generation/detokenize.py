@@ -39,13 +39,19 @@ def find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str] | N
 
 
 def partial_stop_length(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that is the beginning of a stop string."""
+    """Length of the longest tail of ``text`` that is the beginning of a stop string. Only
+    tails that start with a stop string's first character are compared, found by ``str.find``
+    from the longest: on the decode loop's thread every token, a long stop string costs about
+    its length, not its length squared."""
     longest = 0
+    end = len(text)
     for s in stop:
-        for length in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:length]):
-                longest = length
+        start = text.find(s[0], max(end - len(s) + 1, 0)) if s else -1
+        while 0 <= start < end - longest:
+            if s.startswith(text[start:]):
+                longest = end - start
                 break
+            start = text.find(s[0], start + 1)
     return longest
 
 

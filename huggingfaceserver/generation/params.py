@@ -22,6 +22,10 @@ class Constraint:
     """A reasoning parser's end marker (a token of the vocabulary): the tokens up to it are
     free and the constraint starts after it, as vLLM's engine does with ``--reasoning-parser``
     (which the vLLM backend passes it, so its engine does this itself)."""
+    thinking: str | None = None
+    """With :attr:`after`: the request's ``chat_template_kwargs`` (JSON text) that make its
+    model think, with which vLLM's engine makes its reasoning parser (``deepseek_v3`` thinks
+    only when they say so)."""
 
 
 @dataclass(frozen=True)

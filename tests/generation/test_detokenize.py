@@ -147,6 +147,26 @@ def test_partial_stop_length() -> None:
     assert partial_stop_length("hello t", ["Stop", "tea"]) == 1
     assert partial_stop_length("hello", ["Stop"]) == 0
     assert partial_stop_length("Sto", ["Stop"]) == 3
+    assert partial_stop_length("Stop", ["Stop"]) == 0  # whole: a match, not a beginning
+    assert partial_stop_length("xabab", ["ababc", "b"]) == 4
+
+
+def tails_that_begin_a_stop_string(text: str, stop: Sequence[str]) -> int:
+    """Every tail of ``text`` shorter than a stop string, compared with its beginning."""
+    return max(
+        (n for s in stop for n in range(1, min(len(s) - 1, len(text)) + 1) if s[:n] == text[-n:]),
+        default=0,
+    )
+
+
+@given(
+    st.text(alphabet="abc\n", max_size=30),
+    st.lists(st.text(alphabet="abc\n", min_size=1, max_size=12), min_size=1, max_size=3),
+)
+def test_partial_stop_length_is_the_longest_tail_that_begins_a_stop_string(
+    text: str, stop: list[str]
+) -> None:
+    assert partial_stop_length(text, stop) == tails_that_begin_a_stop_string(text, stop)
 
 
 # Property tests: every tokenizer family, both decode paths, against the full decode.

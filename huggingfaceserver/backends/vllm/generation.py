@@ -36,6 +36,10 @@ from .engine_args import build_engine_args
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "stop"}
+SEEDS = 2**63
+"""vLLM's server takes seeds of int64's range; ours go to 2**64 - 1 (torch's ``manual_seed``'s),
+and vLLM seeds the ``n`` choices ``seed + index``, which its engine's messages must carry as
+uint64: a seed past int64 is taken modulo :data:`SEEDS`."""
 
 
 def to_vllm_params(params: SamplingParams) -> vllm.SamplingParams:
@@ -59,7 +63,9 @@ def _vllm_params(params: SamplingParams) -> vllm.SamplingParams:
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1,
         min_p=params.min_p,
-        seed=params.seed,
+        seed=params.seed % SEEDS
+        if params.seed is not None and params.seed >= SEEDS
+        else params.seed,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
@@ -187,6 +193,7 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
             to_vllm_params(params),
             request_id,
             lora_request=self.lora_request(adapter),
+            **self.reasoning(params.constraint),
         )
         copies = params.n if params.greedy else 1
         seen: dict[int, ChoiceDelta] = {}  # each choice so far: all its text and token ids
@@ -216,6 +223,22 @@ class VLLMGenerator(EngineHolder, GenerationBackend):
             if not finished:  # the consumer left: free the engine's slot at once
                 await self.engine.abort(request_id)
                 logger.info("generation cancelled (client gone) after %d tokens", generated)
+
+    def reasoning(self, constraint: Constraint | None) -> dict[str, Any]:
+        """What the engine's reasoning parser (``--reasoning-parser``) needs to start a
+        structured output's grammar where the transformers backend starts it, as vLLM's own
+        server tells it: after the reasoning where the request's model thinks (the parser
+        made with the request's ``chat_template_kwargs``), from the first token where it
+        does not."""
+        if constraint is None or self.config.reasoning_parser is None:
+            return {}
+        if constraint.after is None:
+            return {"reasoning_ended": True}
+        kwargs = json.loads(constraint.thinking or "{}")
+        return {
+            "reasoning_ended": False,
+            "reasoning_parser_kwargs": {"chat_template_kwargs": kwargs},
+        }
 
     def _delta(
         self, completion: Any, params: SamplingParams, seen: dict[int, ChoiceDelta]

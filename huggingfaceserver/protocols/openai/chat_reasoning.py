@@ -10,6 +10,7 @@ Tool calls and the content are what follows the reasoning.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,7 +61,9 @@ def plan_reasoning(
         form, dict(request.chat_template_kwargs or {}), bool(request.include_reasoning)
     )
     if params.constraint is not None and plan.thinks:
-        params = replace(params, constraint=replace(params.constraint, after=form.end))
+        thinking = json.dumps(plan.template_kwargs)
+        constraint = replace(params.constraint, after=form.end, thinking=thinking)
+        params = replace(params, constraint=constraint)
     if form.keeps_special_tokens:
         params = replace(params, skip_special_tokens=False)
     return plan, params

@@ -36,6 +36,10 @@ def check_finite(value: Any) -> Any:
 FiniteFloat = Annotated[float, BeforeValidator(check_finite)]
 """A float field that refuses NaN and infinities with a message that says so."""
 
+INT64_MAX = 2**63 - 1
+"""The largest count a request may give (``top_k``, ``min_tokens``): as vLLM's server bounds its
+integers, and what the engine's messages carry."""
+
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 """A vocabulary index; ``Strict`` so that ``true`` is not taken for token 1."""
 

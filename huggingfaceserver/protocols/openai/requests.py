@@ -25,6 +25,7 @@ from huggingfaceserver.generation.params import SamplingParams
 
 from .chat_messages import ChatMessage
 from .fields import (
+    INT64_MAX,
     FiniteFloat,
     LogitBias,
     Stop,
@@ -90,10 +91,10 @@ class BaseGenerationRequest(BaseModel):
     user: str | None = None
 
     # Extensions (vLLM's names and meanings).
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: FiniteFloat = Field(0.0, ge=0, le=1)
     repetition_penalty: FiniteFloat = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True

@@ -64,7 +64,7 @@ async def create_chat_completion(
         message, thought = chat_message("".join(state.text), tools, reasoning)
         reasonings.append(thought or "")
         calls = tool_call_dicts(message.calls)
-        reason = "tool_calls" if calls else state.final_reason
+        reason = with_calls(state.final_reason, bool(calls))
         shown = None if reasoning is None else reasoning.shown(thought)
         choices.append(chat_choice(index, message.content, reason, logprobs, calls, shown))
     scored = states[0].prompt_logprobs if request.prompt_logprobs is not None else None
@@ -92,6 +92,13 @@ def chat_message(
     split = reasoning.split(text)
     message = ParsedMessage(None) if split.content is None else tools.message(split.content)
     return message, split.reasoning
+
+
+def with_calls(reason: ChatFinishReason, calls: bool) -> ChatFinishReason:
+    """A choice's finish reason once its tool calls are parsed: ``tool_calls`` where it made
+    some, but ``length`` where ``max_tokens`` cut it (a named function's arguments may then
+    end mid-value, which the client must be told)."""
+    return "tool_calls" if calls and reason != "length" else reason
 
 
 def with_tool_plan(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
@@ -132,7 +139,7 @@ def chat_events(
             if reason is not None:
                 rest, calls = stream.finish()
                 text += rest
-                reason = "tool_calls" if calls else reason
+                reason = with_calls(reason, bool(calls))
         if not (text or thought or reason or delta.logprobs or (plain and delta.token_ids)):
             return None
         first = index not in started

@@ -104,12 +104,15 @@ def from_structured_outputs(value: Any) -> Constraint | None:
 
 
 def json_text(schema: Any, param: str) -> str:
-    """A JSON schema as JSON text: an object, or a string holding one."""
+    """A JSON schema as JSON text: an object, or a string holding one. Its properties keep
+    their order, which is the order the grammar writes them in (OpenAI's and vLLM's)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError:
             raise InvalidParameter(f"{param}: the schema is not valid JSON", param=param) from None
+        except RecursionError:  # what the request body's parser refuses at its depth limit
+            raise InvalidParameter(f"{param}: the schema nests too deep", param=param) from None
     if not isinstance(schema, dict):
         raise InvalidParameter(f"{param}: the JSON schema must be an object", param=param)
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)

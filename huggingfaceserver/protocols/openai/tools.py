@@ -124,7 +124,7 @@ def plan_tools(
         return ToolPlan("auto", parser=TOOL_PARSERS[auto_parser]())
     if mode == "required":
         schema = _required_schema(tools, parallel is not False)
-        return ToolPlan("required", Constraint("json", json.dumps(schema, sort_keys=True)))
+        return ToolPlan("required", Constraint("json", json.dumps(schema)))
     assert isinstance(mode, NamedToolChoice)
     named = {tool.function.name: tool for tool in tools}.get(mode.function.name)
     if named is None:
@@ -135,7 +135,7 @@ def plan_tools(
     parameters = named.function.parameters or ANY_OBJECT
     return ToolPlan(
         "named",
-        Constraint("json", json.dumps(parameters, sort_keys=True)),
+        Constraint("json", json.dumps(parameters)),
         function=named.function.name,
     )
 

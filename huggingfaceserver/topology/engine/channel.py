@@ -92,17 +92,21 @@ class Channel:
                     logger.exception("a %s message failed", type(message).__name__)
 
 
+UNENCODABLE = (TypeError, ValueError, OverflowError, msgspec.EncodeError)
+"""What msgspec raises for a message it cannot encode (an integer past 64 bits: OverflowError)."""
+
+
 def _encode_all(messages: list[Message]) -> bytes:
     """The messages in one payload; one that cannot be encoded becomes the failure of its
     request rather than losing the others."""
     try:
         return encode(messages)
-    except (TypeError, ValueError, msgspec.EncodeError):
+    except UNENCODABLE:
         safe: list[Message] = []
         for message in messages:
             try:
                 encode([message])
-            except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            except UNENCODABLE as exc:
                 request_id = getattr(message, "id", -1)
                 logger.error("cannot send the answer to request %s: %s", request_id, exc)
                 message = Failed(request_id, 500, f"the engine's answer could not be sent: {exc}")

@@ -19,9 +19,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ...backends.row_tokenizer import Row
-from ...errors import EngineDied, StartupError
+from ...errors import BadRequest, EngineDied, StartupError
 from ...generation.params import ChoiceDelta, SamplingParams
-from .channel import Channel, new_socket
+from .channel import UNENCODABLE, Channel, new_socket
 from .messages import (
     Abort,
     Deltas,
@@ -32,6 +32,7 @@ from .messages import (
     Hello,
     Message,
     Results,
+    encode,
     failure_error,
     pack_rows,
 )
@@ -114,9 +115,14 @@ class EngineClient:
         """Start a generation: its id (for :meth:`abort`) and the queue of its deltas."""
         self._check_alive()
         request_id = next(self.ids)
+        message = Generate(request_id, prompt_ids, params, adapter)
+        try:  # here, not with the other messages leaving in the loop's next turn
+            encode([message])
+        except UNENCODABLE as exc:  # a client's integer past 64 bits (a top_k, a token id)
+            raise BadRequest(f"a number in the request is out of range: {exc}") from None
         queue: DeltaQueue = asyncio.Queue()
         self.waiting[request_id] = queue
-        self.channel.send(Generate(request_id, prompt_ids, params, adapter))
+        self.channel.send(message)
         return request_id, queue
 
     def abort(self, request_id: int, choices: list[int] | None = None) -> None:

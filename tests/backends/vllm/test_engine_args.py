@@ -256,6 +256,15 @@ def test_defaults_map_onto_vllms_defaults():
     assert out.output_kind == RequestOutputKind.DELTA
 
 
+def test_the_largest_seed_fits_vllms_engine_messages():
+    """vLLM seeds its ``n`` choices ``seed + index`` and sends them to its engine as uint64:
+    a seed past int64 is taken modulo 2**63."""
+    out = to_vllm_params(SamplingParams(n=128, temperature=1, seed=2**64 - 1))
+    assert out.seed == 2**63 - 1 and out.seed + 127 < 2**64
+    assert to_vllm_params(SamplingParams(seed=-(2**63))).seed == -(2**63)
+    assert to_vllm_params(SamplingParams(seed=2**63 - 1)).seed == 2**63 - 1
+
+
 def test_greedy_with_several_choices_generates_one():
     out = to_vllm_params(SamplingParams(n=3, temperature=0.0))
     assert out.n == 1 and out.temperature == 0.0

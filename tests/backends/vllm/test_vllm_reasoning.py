@@ -1,8 +1,11 @@
 """Reasoning output on the vLLM backend: one server on the scripted thinking model
-(:mod:`tests.thinking_model`) with ``--reasoning-parser deepseek_r1``, started as a user starts
-it. The split is the protocol layer's, as on the transformers backend (the message and the
-stream equal that backend's, loaded in-process); what differs is who starts a structured
-output's grammar once the reasoning ends: vLLM's engine, given the flag."""
+(:mod:`tests.thinking_model`) with ``--reasoning-parser deepseek_v3`` (thinking when the
+request's ``chat_template_kwargs`` say so, as DeepSeek-V3.1), started as a user starts it. The
+split is the protocol layer's, as on the transformers backend (the message and the stream
+equal that backend's, loaded in-process); what differs is who starts a structured output's
+grammar once the reasoning ends: vLLM's engine, given the flag, and told per request whether
+the model thinks (the parser made with the request's template kwargs, as vLLM's server
+does)."""
 
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PARSER = ["--reasoning-parser", "deepseek_r1"]
+PARSER = ["--reasoning-parser", "deepseek_v3"]
 BODY: dict[str, Any] = {
     "model": "thinker",
     "messages": [{"role": "user", "content": "Where is Paris?"}],
     "max_tokens": 32,
+    "chat_template_kwargs": {"thinking": True},
 }
 
 
@@ -92,9 +96,21 @@ def test_streamed_deltas_add_up(server):
     assert usage["completion_tokens_details"]["reasoning_tokens"] > 0
 
 
-def test_structured_output_starts_after_the_reasoning(server):
-    response = post(server, {**BODY, "guided_choice": ["yes", "no"]})
-    assert response.status_code == 200, response.text
-    message = response.json()["choices"][0]["message"]
-    assert message["reasoning"] == REASONING
-    assert message["content"] in ("yes", "no")
+async def test_structured_output_starts_after_the_reasoning_where_the_model_thinks(
+    server, reference
+):
+    """Thinking: the grammar starts after ``</think>`` (the engine's parser, made without the
+    request's kwargs, took the model for one that does not think: the choice came first and
+    was filed as reasoning). Not thinking: the grammar starts at the first token. The
+    reasoning is the transformers backend's (the choice after it is the random model's)."""
+    for thinking in (True, False):
+        body = {**BODY, "guided_choice": ["yes", "no"]}
+        body["chat_template_kwargs"] = {"thinking": thinking}
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        message = response.json()["choices"][0]["message"]
+        assert message.get("reasoning") == (REASONING if thinking else None)
+        assert message["content"] in ("yes", "no")
+        theirs = (await post_reference(reference, body)).json()["choices"][0]["message"]
+        assert theirs.get("reasoning") == message.get("reasoning")  # the choice: a coin toss
+        assert theirs["content"] in ("yes", "no")

@@ -1049,6 +1049,31 @@ async def test_a_named_tool_choice_yields_a_call_whose_arguments_validate(served
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
 
 
+async def test_a_named_call_cut_by_max_tokens_finishes_for_length(served):
+    """Its arguments end mid-value: ``length`` says so (not ``tool_calls``), streamed or not."""
+    body = {
+        "model": "llama",
+        "messages": MESSAGES,
+        "tools": WEATHER_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 3,
+    }
+    client = sdk_for(served("llama"))
+    whole = (await client.chat.completions.create(**body)).choices[0]
+    assert whole.finish_reason == "length"
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    reasons = [
+        choice.finish_reason
+        async for chunk in await client.chat.completions.create(stream=True, **body)
+        for choice in chunk.choices
+        if choice.finish_reason
+    ]
+    assert reasons == ["length"]
+
+
 async def test_required_calls_parse_against_each_functions_schema(served):
     body = {"messages": MESSAGES, "tools": WEATHER_TOOLS, "tool_choice": "required"}
     body["parallel_tool_calls"] = False  # one call: it fits in what the tiny context leaves

@@ -55,6 +55,8 @@ BOUNDS = [
     (completion, "best_of", 0),
     (completion, "seed", 2**64),
     (completion, "top_k", -2),
+    (completion, "top_k", 2**63),
+    (completion, "min_tokens", 2**63),
     (completion, "min_p", 1.5),
     (completion, "repetition_penalty", 0),
     (completion, "min_tokens", -1),

@@ -11,7 +11,9 @@ from huggingfaceserver.protocols.openai.errors import InvalidParameter
 from huggingfaceserver.protocols.openai.requests import ChatCompletionRequest, CompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-SCHEMA_TEXT = json.dumps(SCHEMA, sort_keys=True)
+SCHEMA_TEXT = json.dumps(SCHEMA)
+ORDERED = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {}}}
+"""Properties in the order the output is to write them (the grammar keeps the schema's)."""
 
 
 def constraint(**fields):
@@ -35,6 +37,8 @@ def constraint(**fields):
         ),
         ({"guided_json": SCHEMA}, Constraint("json", SCHEMA_TEXT)),
         ({"guided_json": json.dumps(SCHEMA)}, Constraint("json", SCHEMA_TEXT)),
+        ({"guided_json": ORDERED}, Constraint("json", json.dumps(ORDERED))),
+        ({"guided_json": json.dumps(ORDERED)}, Constraint("json", json.dumps(ORDERED))),
         ({"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+")),
         ({"guided_choice": ["yes", "no"]}, Constraint("choice", '["yes", "no"]')),
         ({"guided_grammar": 'root ::= "a"'}, Constraint("grammar", 'root ::= "a"')),
@@ -57,6 +61,12 @@ def test_each_form_becomes_one_constraint(fields, expected):
         ({"response_format": "json"}, "response_format", "type"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_json": [1]}, "guided_json", "must be an object"),
+        ({"guided_json": "[" * 5000}, "guided_json", "nests too deep"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "[" * 5000}}},
+            "response_format",
+            "nests too deep",
+        ),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_choice": ["a", 1]}, "guided_choice", "strings"),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),

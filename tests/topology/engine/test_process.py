@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,19 @@ async def ready(client: EngineClient) -> None:
     """Connect and wait (off the loop, as a front's loader does) until the engine serves."""
     await client.start()
     await asyncio.to_thread(client.wait_ready, DEADLINE_S)
+
+
+@asynccontextmanager
+async def one_front(
+    backend: EncoderBackend | GenerationBackend, tmp_path: Path
+) -> AsyncIterator[tuple[EngineThread, EngineClient]]:
+    """The backend's engine (in a thread) and one front's client, connected and ready."""
+    with (
+        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
+        clients(running.engine.address, fronts=1) as [client],
+    ):
+        await ready(client)
+        yield running, client
 
 
 async def local_results(backend: EncoderBackend, rows: Sequence[Any], kind: str) -> list[Any]:
@@ -401,11 +414,7 @@ async def test_a_compiling_grammar_holds_up_no_other_request(tiny_models, tmp_pa
     one of its choices."""
     backend = engine_generator(tiny_models["llama"])
     held = hold_constrained_checks(monkeypatch, backend)
-    with (
-        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
-        clients(running.engine.address, fronts=1) as [client],
-    ):
-        await ready(client)
+    async with one_front(backend, tmp_path) as (running, client):
         prompt = prompt_of(backend)
         _, alone = client.generate(prompt, GREEDY, None)
         expected = token_ids(await collected(alone))
@@ -465,11 +474,7 @@ async def test_an_abort_while_compiling_drops_the_request(tiny_models, tmp_path,
 async def test_an_invalid_grammar_fails_its_request_with_a_400(tiny_models, tmp_path):
     backend = engine_generator(tiny_models["llama"])
     invalid = SamplingParams(temperature=0.0, constraint=Constraint("regex", "("))
-    with (
-        engine_thread(backend, f"ipc://{tmp_path}/engine.sock") as running,
-        clients(running.engine.address, fronts=1) as [client],
-    ):
-        await ready(client)
+    async with one_front(backend, tmp_path) as (running, client):
         prompt = prompt_of(backend)
         _, failing = client.generate(prompt, invalid, None)
         with pytest.raises(ServerError, match="invalid regex") as caught:
@@ -481,6 +486,25 @@ async def test_an_invalid_grammar_fails_its_request_with_a_400(tiny_models, tmp_
         _, constrained = client.generate(prompt, CHOSEN, None)
         assert chosen_text(backend, await collected(constrained)) in CHOICES
         assert running.engine.live == {}
+
+
+async def test_a_number_past_64_bits_is_a_400_and_the_requests_beside_it_go_on(
+    tiny_models, tmp_path
+):
+    """msgpack carries integers of 64 bits: a request with a larger one (a top_k, a token id)
+    is refused where it is sent, not in the front's next flush, which would lose the messages
+    of the requests sent beside it."""
+    backend = engine_generator(tiny_models["llama"])
+    async with one_front(backend, tmp_path) as (running, client):
+        prompt = prompt_of(backend)
+        _, before = client.generate(prompt, GREEDY, None)
+        with pytest.raises(BadRequest, match="out of range"):
+            client.generate(prompt, replace(GREEDY, top_k=2**70), None)
+        with pytest.raises(BadRequest, match="out of range"):
+            client.generate([*prompt, 2**64], GREEDY, None)
+        _, after = client.generate(prompt, GREEDY, None)
+        assert token_ids(await collected(before)) == token_ids(await collected(after))
+        assert len(client.waiting) == 0 and running.engine.live == {}
 
 
 async def all_deltas(deltas: AsyncIterator[list[ChoiceDelta]]) -> list[ChoiceDelta]:
