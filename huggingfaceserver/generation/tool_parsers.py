@@ -98,7 +98,8 @@ class HermesParser(ToolParser):
             if call is None:
                 return ParsedMessage(text)
             calls.append(call)
-        return ParsedMessage(_content(text[: text.index("<tool_call>")]), tuple(calls))
+        content = text[: text.index("<tool_call>")]  # as it came, as vLLM's hermes gives it
+        return ParsedMessage(content or None, tuple(calls))
 
 
 class Llama3JsonParser(ToolParser):
@@ -112,7 +113,7 @@ class Llama3JsonParser(ToolParser):
             return ParsedMessage(text)
         decoder = json.JSONDecoder()
         calls, at = [], 0
-        while at < len(body):
+        while at >= 0:  # each object from a brace past the last one; text between is skipped
             try:
                 item, end = decoder.raw_decode(body, at)
             except ValueError:
@@ -121,9 +122,7 @@ class Llama3JsonParser(ToolParser):
             if call is None:
                 return ParsedMessage(text)
             calls.append(call)
-            at = end
-            while at < len(body) and body[at] in " \t\r\n;":
-                at += 1
+            at = body.find("{", end)
         return ParsedMessage(None, tuple(calls))
 
 

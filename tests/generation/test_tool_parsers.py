@@ -17,7 +17,7 @@ CASES = [
         "hermes",
         "I'll check the weather for you.\n<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-        "I'll check the weather for you.",
+        "I'll check the weather for you.\n",  # as vLLM's hermes keeps it
         [PARIS],
     ),
     (
@@ -33,6 +33,12 @@ CASES = [
     (
         "llama3_json",
         '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        None,
+        [PARIS],
+    ),
+    (  # text after the calls is left out, as vLLM's llama3_json does
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}} Hope so.',
         None,
         [PARIS],
     ),

@@ -71,7 +71,8 @@ def json_logprob(logprob: float) -> float:
 def completion_logprobs(
     entries: Sequence[TokenLogprobText], text_offset: int = 0
 ) -> CompletionLogprobs:
-    """The completions format for ``entries``.
+    """The completions format for ``entries``: each token's ``top_logprobs`` hold it and its
+    top alternatives (``logprobs: 0`` the token alone).
 
     ``text_offset`` is where the first token starts in the choice's text (the length of the text
     already sent, or of the echoed prompt); later offsets add up the token texts, as vLLM does.
@@ -84,7 +85,12 @@ def completion_logprobs(
         tokens.append(token)
         token_logprobs.append(None if logprob is None else json_logprob(logprob))
         top_logprobs.append(
-            None if top is None else {alt: json_logprob(alt_lp) for alt, alt_lp in top}
+            None
+            if top is None
+            else {  # the chosen token first, then the top ones, as OpenAI's and vLLM's
+                token: json_logprob(math.nan if logprob is None else logprob),
+                **{alt: json_logprob(alt_lp) for alt, alt_lp in top},
+            }
         )
         offsets.append(text_offset)
         text_offset += len(token)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .bodies import new_id
+from .chat_messages import TEXT_PART_SEPARATOR
 from .errors import InvalidParameter
 from .fields import FiniteFloat
 from .requests import ChatCompletionRequest
@@ -206,7 +207,7 @@ def item_text(index: int, content: Any) -> str:
                 f"input[{index}]: content parts of type {kind!r} are not served", param="input"
             )
         texts.append(str(part.get("text", "")))
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)  # as its chat form's parts are joined
 
 
 def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ the message (its ``content`` a ``reasoning_text`` part; streamed with
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,17 @@ async def create_response(
     reason = state.final_reason
     status = "incomplete" if reason == "length" else "completed"
     counted = await run.reasoning_tokens([thought or ""])
-    return JSONBody(orjson.dumps(run.response(output, status, state.tokens, reason, counted)))
+    return JSONBody(dumps(run.response(output, status, state.tokens, reason, counted)))
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    """A response (or event) as JSON: orjson's, but the standard library's where it holds an
+    integer past 64 bits, which orjson refuses (a request's own ``tools``, ``tool_choice``
+    or ``text`` settings are echoed back as they came: a schema's ``"maximum": 10**20``)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
 
 
 class Events:
@@ -136,7 +147,7 @@ class Events:
     def __call__(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + dumps(body) + b"\n\n"
 
 
 class StreamedItem:
@@ -250,6 +261,12 @@ class Output:
             self.open is not None and not self.open.reasoning
         )
 
+    @property
+    def has_reasoning(self) -> bool:
+        return any(item["type"] == "reasoning" for item in self.items) or (
+            self.open is not None and self.open.reasoning
+        )
+
 
 async def events(run: Run) -> AsyncIterator[bytes]:
     event = Events()
@@ -274,7 +291,8 @@ async def events(run: Run) -> AsyncIterator[bytes]:
             if content:
                 chunks += output.text(content, reasoning=False)
             if delta.finish_reason is not None:
-                if not (output.has_message or calls):  # no answer: an empty message
+                if not (output.has_message or output.has_reasoning or calls):
+                    # no answer, no reasoning shown: an empty message (as the whole response)
                     chunks += output.text("", reasoning=False)
                 chunks += output.calls(calls) if calls else output.close()
             for chunk in chunks:

@@ -91,6 +91,8 @@ class ToolPlan:
             return _required_calls(text)
         if self.mode == "named":
             assert self.function is not None
+            if not text.strip():  # nothing after the reasoning (cut, or ended in it): no call
+                return ParsedMessage(None)
             return ParsedMessage(None, (ParsedCall(self.function, text.strip()),))
         return ParsedMessage(text)
 

@@ -853,7 +853,8 @@ async def test_echo_with_logprobs_scores_the_prompt_too(served, reference, greed
         assert logprobs["token_logprobs"][position] == pytest.approx(
             float(expected[position - 1, token]), abs=1e-4
         )
-        assert len(logprobs["top_logprobs"][position]) == 1
+        top = logprobs["top_logprobs"][position]  # the token itself and the top one
+        assert logprobs["tokens"][position] in top and 1 <= len(top) <= 2
     assert choice["text"].startswith(PROMPTS[0])
     assert "prompt_logprobs" not in choice
 
@@ -1094,7 +1095,7 @@ async def test_auto_parses_the_calls_the_model_writes_streamed_or_not(served):
     body["guided_regex"] = FORCED_HERMES
     whole = (await ok(model, CHAT, body))["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
-    assert whole["message"]["content"] == "Ok."
+    assert whole["message"]["content"] == "Ok.\n"  # as vLLM's hermes gives it
     (call,) = whole["message"]["tool_calls"]
     assert call["function"]["name"] == "get_time"
     jsonschema.validate(json.loads(call["function"]["arguments"]), TIME_PARAMETERS)
@@ -1109,7 +1110,7 @@ async def test_auto_parses_the_calls_the_model_writes_streamed_or_not(served):
             content += choice.delta.content or ""
             calls += choice.delta.tool_calls or []
             reasons.append(choice.finish_reason)
-    assert content == "Ok." and reasons[-1] == "tool_calls"
+    assert content == "Ok.\n" and reasons[-1] == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         (call["function"]["name"], call["function"]["arguments"])
     ]

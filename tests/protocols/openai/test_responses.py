@@ -415,6 +415,9 @@ def test_completion_logprobs_format():
     ]
     assert logprobs.text_offset == [10, 13, 15]
     json.dumps(logprobs.model_dump(), allow_nan=False)  # no -Infinity / NaN in the JSON
+    sampled_past_the_top = [TokenLogprobText("lo", -3.0, [("Hel", -0.5)])]
+    assert completion_logprobs(sampled_past_the_top).top_logprobs == [{"lo": -3.0, "Hel": -0.5}]
+    assert completion_logprobs([TokenLogprobText("lo", -3.0, [])]).top_logprobs == [{"lo": -3.0}]
 
 
 def test_chat_logprobs_format():

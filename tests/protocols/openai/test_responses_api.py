@@ -143,7 +143,9 @@ async def test_a_function_call_the_model_writes_is_an_output_item(served):
     body["guided_regex"] = FORCED_HERMES  # the tiny model writes a Hermes call because of it
     response = await ok(model, RESPONSES, body)
     message, call = response["output"]
-    assert output_text({"output": [message]}) == "Ok."
+    assert (
+        output_text({"output": [message]}) == "Ok.\n"
+    )  # the text before the call as written, as vLLM's hermes gives it
     assert call["type"] == "function_call" and call["name"] == "get_time"
     assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
     jsonschema.validate(json.loads(call["arguments"]), TIME_PARAMETERS)
@@ -167,7 +169,7 @@ async def test_a_function_call_the_model_writes_is_an_output_item(served):
     streamed_call = final.output[1]
     assert streamed_call.type == "function_call" and streamed_call.name == "get_time"
     assert json.loads(streamed_call.arguments) == json.loads(call["arguments"])
-    assert final.output_text == "Ok."
+    assert final.output_text == "Ok.\n"
 
 
 async def test_a_required_tool_gives_function_calls_only(served):
@@ -346,3 +348,41 @@ async def test_the_sdks_streaming_helper_assembles_the_response(thinker):
     assert "".join(texts) == final.output_text == whole.output_text == ANSWER
     assert final.status == whole.status == "completed"
     assert final.output[0].type == "reasoning" and final.output[0].content[0].text == REASONING
+
+
+async def test_cut_in_the_reasoning_streamed_and_whole_give_the_same_items(thinker):
+    """An answer cut before the reasoning ends: the reasoning item alone, streamed or not (the
+    stream added an empty message); with a named tool, no call either way (the stream made
+    one, its arguments empty)."""
+    model, _ = thinker
+    body: dict[str, Any] = {"model": "thinker", "input": "Where is Paris?", "max_output_tokens": 3}
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}}
+    for extra in ({}, named):
+        whole = await ok(model, RESPONSES, {**body, **extra})
+        assert [item["type"] for item in whole["output"]] == ["reasoning"]
+        streamed = await post(model, RESPONSES, {**body, **extra, "stream": True})
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in streamed.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        final = events[-1]["response"]
+        assert [item["type"] for item in final["output"]] == ["reasoning"]
+        assert not any(event["type"].startswith("response.output_text") for event in events)
+
+
+async def test_text_parts_are_joined_as_chat_joins_them_and_big_integers_are_echoed(served):
+    """Parts of one message are joined by a newline, as on chat; an integer past 64 bits in
+    the request's own settings comes back as sent (orjson refused it: a 500, a cut stream)."""
+    model = served()
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "world"}]
+    request = ResponsesRequest.model_validate({"input": [{"role": "user", "content": parts}]})
+    assert request.messages() == [{"role": "user", "content": "Hello\nworld"}]
+    text = {"format": {"type": "text"}, "verbosity_budget": 10**20}
+    body = {"input": "Hello", "max_output_tokens": 2, "text": text}
+    assert (await ok(model, RESPONSES, body))["text"] == text
+    streamed = await post(model, RESPONSES, {**body, "stream": True})
+    assert streamed.status_code == 200 and '"response.completed"' in streamed.text.replace(
+        "response.incomplete", "response.completed"
+    )
+    assert str(10**20) in streamed.text
