@@ -68,6 +68,12 @@ class ReadTimeout(ServerError):
     status_code = HTTPStatus.REQUEST_TIMEOUT
 
 
+class HeadersTooLarge(ServerError):
+    """The request line and headers are over the size the server reads (431)."""
+
+    status_code = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
+
+
 class Conflict(ServerError):
     """The request conflicts with what is under way, e.g. unloading an adapter in use (409)."""
 

@@ -47,7 +47,7 @@ from ..errors import (
     Unauthorized,
 )
 from ..observability import metrics, request_notes
-from ..observability.request_ids import new_request_id
+from ..observability.request_ids import client_request_id, new_request_id
 from .admission import Admission
 from .http_errors import ErrorShapes, ResponseState, end_with_error
 from .shared_count import SharedCount
@@ -73,7 +73,6 @@ CLOSE = {"connection": "close"}
 ASK_FOR_KEY = {"www-authenticate": "Bearer"}
 """The challenge that goes with a refused API key (HTTP header, gRPC trailing metadata)."""
 SHUTTING_DOWN = "the server is shutting down"
-MAX_REQUEST_ID_CHARS = 128
 CLIENT_CLOSED = 499  # nginx's status for a client that left; nobody reads it
 
 
@@ -157,19 +156,33 @@ class ServerState:
 class Exchange(ResponseState):
     """One request's response as it goes out: how far it went, its status, its id header."""
 
-    def __init__(self, send: Send, request_id: str):
+    def __init__(self, send: Send, request_id: str, body_unread: bool = False):
         super().__init__()
         self._send = send
         self.request_id = request_id.encode("latin-1")
         self.status = 0
+        self.body_unread = body_unread
+        """Whether the request has a body not read yet: a response sent meanwhile closes the
+        connection (uvicorn would drop the rest of the body as it came, its keep-alive timer
+        stopped by each byte: a connection held for as long as the client drips)."""
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             headers = [*message.get("headers", []), (b"x-request-id", self.request_id)]
+            if self.body_unread and not any(k.lower() == b"connection" for k, _ in headers):
+                headers.append((b"connection", b"close"))
             message = {**message, "headers": headers}
         self.saw(message)
         await self._send(message)
+
+
+def has_body(scope: Scope) -> bool:
+    """Whether a request says it has a body (a length over 0, or chunks)."""
+    length = header(scope, b"content-length")
+    return (length is not None and length.strip() not in (b"", b"0")) or (
+        header(scope, b"transfer-encoding") is not None
+    )
 
 
 def bearer_matches(authorization: bytes, key: bytes) -> bool:
@@ -188,10 +201,8 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 def request_id_of(scope: Scope) -> str:
     """The client's id when it is a sane one, else a new one; handlers see it as a header."""
     given = header(scope, b"x-request-id")
-    if given is not None:
-        text = given.decode("latin-1").strip()
-        if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
-            return text
+    if given is not None and (sane := client_request_id(given.decode("latin-1"))):
+        return sane
     request_id = new_request_id()
     headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"x-request-id"]
     scope["headers"] = [*headers, (b"x-request-id", request_id.encode())]
@@ -224,7 +235,7 @@ class Gateway:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        exchange = Exchange(send, request_id_of(scope))
+        exchange = Exchange(send, request_id_of(scope), has_body(scope))
         if not is_open(scope):
             metrics.http_request_started()
         with request_notes.collecting() as notes:
@@ -245,6 +256,8 @@ class Gateway:
         except ServerError as refusal:
             await self.refuse(scope, exchange, refusal)
             return
+        if body is not None:
+            exchange.body_unread = False
         if scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, exchange.send)  # metadata: cheap, not admitted
         elif body is None:  # the client left while sending it

@@ -17,7 +17,7 @@ from grpc.aio import ServerInterceptor
 
 from ..errors import NotFound, NotReady, ServerError, TooManyRequests, Unauthorized, Unimplemented
 from ..observability import request_notes
-from ..observability.request_ids import new_request_id
+from ..observability.request_ids import client_request_id, new_request_id
 from .admission import Admission
 from .gateway import ASK_FOR_KEY, RETRY_LATER, SHUTTING_DOWN, ServerState, bearer_matches
 from .grpc_errors import grpc_status
@@ -110,7 +110,7 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
-            request_id = getattr(request, "id", "") or new_request_id()
+            request_id = client_request_id(getattr(request, "id", "")) or new_request_id()
             code = grpc.StatusCode.OK
             ended: grpc.StatusCode | None = None
             with request_notes.collecting() as notes:

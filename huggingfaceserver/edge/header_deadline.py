@@ -10,32 +10,57 @@ after the previous response, to the end of its headers: past the deadline the cl
 in KServe's error shape (no route is known before the headers) and the connection is closed.
 The body has a deadline of its own in the gateway, counted once the headers are in (both are
 ``--request_read_timeout_seconds``).
+
+httptools has no bound on the headers' size either: a client streaming headers (or one endless
+value) within the deadline would have them kept, and parsed on the event loop, by the
+megabyte. A request line and headers past :data:`MAX_HEADER_BYTES` get a 431 and the connection
+is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..errors import ReadTimeout
+from ..errors import HeadersTooLarge, ReadTimeout, ServerError
 from .http_errors import KSERVE, json_body
 
+MAX_HEADER_BYTES = 64 * 1024
+"""The most a request line and its headers may take (nginx takes 32 KiB, Node 16 KiB)."""
 
-def timeout_response(seconds: float) -> bytes:
-    """The whole 408 response: ``{"error": ...}``, as KServe's routes answer errors."""
-    error = ReadTimeout(
-        f"the request's headers did not arrive within {seconds:g} s "
-        "(--request_read_timeout_seconds)"
-    )
+
+def closing_response(error: ServerError) -> bytes:
+    """The whole response of an error answered before any route is known: ``{"error": ...}``,
+    as KServe's routes answer errors, and the connection closed."""
     body = json_body(KSERVE.content(error))
     head = (
-        "HTTP/1.1 408 Request Timeout\r\n"
+        f"HTTP/1.1 {error.status_code} {HTTPStatus(error.status_code).phrase}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
         "connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+def timeout_response(seconds: float) -> bytes:
+    """The whole 408 response."""
+    return closing_response(
+        ReadTimeout(
+            f"the request's headers did not arrive within {seconds:g} s "
+            "(--request_read_timeout_seconds)"
+        )
+    )
+
+
+LINGER_S = 1.0
+"""How long a connection refused for its headers' size is read (and its bytes dropped) before
+it is closed."""
+
+TOO_LARGE = closing_response(
+    HeadersTooLarge(f"the request line and headers exceed {MAX_HEADER_BYTES // 1024} KiB")
+)
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -44,10 +69,35 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     header_timeout_s = 30.0
     header_deadline: asyncio.TimerHandle | None = None
+    header_bytes = 0
+    """Bytes received since the request's headers began (while :attr:`header_deadline` runs)."""
+    refused = False
+    """Whether the headers were refused (431): the connection is closing."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return  # what the client still sends after the 431: dropped unparsed
+        super().data_received(data)
+        if self.header_deadline is None or self.transport.is_closing():
+            return  # not in a request's headers (its body, or between requests)
+        self.header_bytes += len(data)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            self.refuse_headers()
+
+    def refuse_headers(self) -> None:
+        """431, then the connection closed once the client has had :data:`LINGER_S` to stop
+        sending: its bytes meanwhile are read and dropped, since closing with some unread
+        would reset the connection, and the client could lose the 431 with it."""
+        self.disarm_header_deadline()
+        self.refused = True
+        self.transport.write(TOO_LARGE)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -63,6 +113,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def arm_header_deadline(self) -> None:
         if self.header_deadline is None:
+            self.header_bytes = 0
             self.header_deadline = asyncio.get_running_loop().call_later(
                 self.header_timeout_s, self.headers_overdue
             )

@@ -104,6 +104,20 @@ async def test_a_call_reaches_the_servicer_decoded_and_is_logged_with_its_id(ser
     assert served.admission.held == 0
 
 
+async def test_an_id_that_could_forge_a_log_line_is_logged_as_a_new_one(served, caplog):
+    """As HTTP's x-request-id: an id with a line break, or past 128 characters, is not
+    written to the log (it could forge lines or swell them by megabytes)."""
+    with caplog.at_level(logging.INFO, logger="huggingfaceserver.edge.grpc_policy"):
+        await infer(served, "r-2\ngrpc forged ModelInfer OK 1 ms")
+        await infer(served, "r" * 129)
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "huggingfaceserver.edge.grpc_policy"
+    ]
+    assert len(lines) == 2
+    for line in lines:
+        assert re.fullmatch(r"grpc [0-9a-f-]{36} ModelInfer OK [\d.]+ ms", line), line
+
+
 async def test_a_model_version_is_not_found_before_the_servicer(served):
     error = await refused(infer(served, "r-2", model_version="2"))
     assert error.code() is grpc.StatusCode.NOT_FOUND

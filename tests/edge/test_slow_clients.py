@@ -195,3 +195,53 @@ def test_connections_whose_headers_stall_are_closed_at_the_deadline(server):
     assert wait_until(lambda: open_sockets(pid) <= before, 30), (open_sockets(pid), before)
     again = httpx.post(f"{server.url}/v1/models/m:predict", json={"instances": ["x"]}, timeout=30)
     assert again.status_code == 200
+
+
+def oversized_headers(server: ServerProcess, header: bytes) -> bytes:
+    """What a connection is answered that sends a request line, then ``header`` until the
+    server stops it (or 1 MiB)."""
+    sock = connect(server)
+    try:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\n")
+        with contextlib.suppress(OSError):  # the server closes it mid-way
+            for _ in range((1 << 20) // len(header)):
+                sock.sendall(header)
+        return read_to_end(sock)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("header", [b"x-a: b\r\n", b"a" * 4096], ids=["many", "one-endless"])
+def test_headers_past_64_kib_are_a_431_and_the_connection_is_closed(server, header):
+    """httptools keeps headers of any size: many small ones, or one value with no end, are
+    cut at 64 KiB with a 431 in KServe's shape, and the server serves on."""
+    answer = oversized_headers(server, header)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0]
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:200]
+    assert json.loads(body) == {"error": "the request line and headers exceed 64 KiB"}
+    response = httpx.get(f"{server.url}/v2/health/live", headers={"x-a": "b" * 8000}, timeout=30)
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\ncontent-length: 1000000\r\n\r\n",
+        b"POST /v1/models/m:predict HTTP/1.1\r\nhost: t\r\ncontent-length: 99999999999\r\n\r\n",
+    ],
+    ids=["open-route", "413"],
+)
+def test_a_response_before_the_body_is_read_closes_the_connection(server, request_head):
+    """A health check, or a 413, answered while the body is still to come: the connection is
+    closed with the answer (it stayed open, each byte of the body the client dripped keeping
+    it, with no deadline)."""
+    sock = connect(server)
+    try:
+        sock.sendall(request_head + b"x")
+        answer = read_to_end(sock)  # the server's close ends it (a held connection: a timeout)
+    finally:
+        sock.close()
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    assert head.split(b"\r\n", 1)[0] in (b"http/1.1 200 ok", b"http/1.1 413 request entity too large")
+    assert b"\r\nconnection: close" in head
