@@ -54,7 +54,11 @@ def test_a_constraint_starts_after_the_reasoning_of_a_model_that_thinks():
     constrained = SamplingParams(constraint=CHOICE)
     form = REASONING_PARSERS["qwen3"]
     _, params = plan_reasoning(form, request(), constrained)
-    assert params.constraint == Constraint(CHOICE.kind, CHOICE.spec, after="</think>")
+    assert params.constraint == Constraint(CHOICE.kind, CHOICE.spec, "</think>", thinking="{}")
+    told = request(chat_template_kwargs={"enable_thinking": True})
+    assert plan_reasoning(form, told, constrained)[1].constraint.thinking == (
+        '{"enable_thinking": true}'  # for vLLM's engine's parser
+    )
     off = request(chat_template_kwargs={"enable_thinking": False})
     assert plan_reasoning(form, off, constrained)[1].constraint == CHOICE  # from the start
     assert plan_reasoning(form, request(), PARAMS)[1].constraint is None
