@@ -39,9 +39,26 @@ TOKENIZER_FILES = [
     "merges.txt",
     "added_tokens.json",
     "*.model",
+    "*.model.v*",
     "*.tiktoken",
+    "tekken.json",
     "chat_template.*",
+    "config.json",  # transformers 5's AutoTokenizer reads the model's config too
 ]
+"""What a tokenizer at another revision (``--tokenizer_revision``) is downloaded with."""
+
+TOKENIZER_DEFINITIONS = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "*.model",
+    "*.model.v*",
+    "*.tiktoken",
+    "tekken.json",
+)
+"""Files one of which a folder's tokenizer is made from (without any, transformers 5 makes a
+placeholder vocabulary of a few special tokens and every word becomes unknown)."""
 
 DTYPE_NAMES = {
     "float16": "float16",
@@ -244,21 +261,31 @@ def load_pretrained(
                 trust_remote_code=config.trust_remote_code,
             )
             return model.to(device()).eval()
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"cannot load the model in {source.path}: {exc}") from None
+    except Exception as exc:  # a load failure of any kind is the start's one-line error
+        raise StartupError(f"cannot load the model in {source.path}: {described(exc)}") from None
+
+
+def described(exc: Exception) -> str:
+    """A load failure in a line: its message, named by its type where that is not an
+    ``OSError`` or ``ValueError`` (an ImportError of a quantizer's package, a truncated
+    weights file's SafetensorError)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, (OSError, ValueError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def read_chat_template(value: str | None) -> str | None:
     """``--chat_template``: the Jinja text itself, or the path of a file that holds it."""
     if value is None:
         return None
+    if any(char in value for char in "{}\n"):  # Jinja: the template itself, as vLLM reads it
+        return value
     path = Path(value)
-    if "{" not in value and (path.suffix in (".jinja", ".j2", ".txt") or os.sep in value):
-        try:
-            return path.read_text()
-        except OSError as exc:
-            raise StartupError(f"cannot read the chat template file {path}: {exc}") from None
-    return value
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise StartupError(f"cannot read the chat template file {path}: {exc}") from None
 
 
 def load_tokenizer(
@@ -271,6 +298,12 @@ def load_tokenizer(
     if config.encode_lower_case is not None:
         kwargs["do_lower_case"] = config.encode_lower_case
     tokenizer_class = tokenizer_class_named(class_name)
+    folder = source.tokenizer_path
+    if not any(any(folder.glob(pattern)) for pattern in TOKENIZER_DEFINITIONS):
+        raise StartupError(
+            f"no tokenizer in {folder} (none of {', '.join(TOKENIZER_DEFINITIONS)}): save it "
+            "beside the model (tokenizer.save_pretrained)"
+        )
     try:
         with STARTUP.phase("tokenizer"):
             if tokenizer_class is not None:
@@ -280,8 +313,10 @@ def load_tokenizer(
             return AutoTokenizer.from_pretrained(
                 source.tokenizer_path, trust_remote_code=config.trust_remote_code, **kwargs
             )
-    except (OSError, ValueError, KeyError) as exc:
-        raise StartupError(f"cannot load the tokenizer in {source.tokenizer_path}: {exc}") from None
+    except Exception as exc:  # sentencepiece's conversion, a tokenizer.json of a newer format
+        raise StartupError(
+            f"cannot load the tokenizer in {source.tokenizer_path}: {described(exc)}"
+        ) from None
 
 
 def tokenizer_class_name(tokenizer: PreTrainedTokenizerBase) -> str | None:

@@ -10,15 +10,17 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
 
 from huggingfaceserver.backends.tokenizing import resolve_max_length
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.loading import (
+    load_pretrained,
     load_source,
     load_tokenizer,
     locate_model,
+    read_chat_template,
     resolve_dtype,
     tokenizer_class_name,
     tokenizer_class_named,
@@ -401,3 +403,44 @@ def test_architectures_that_are_not_names_are_a_startup_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": "BertModel"}))
     with pytest.raises(StartupError, match="architectures is not a list of names"):
         load_source(parse_args(["--model_dir", str(tmp_path)]), read_config=False)
+
+
+# --- folders as users save them ----------------------------------------------------------------
+
+
+def test_a_folder_without_its_tokenizer_is_a_startup_error(tiny_models, tmp_path):
+    """model.save_pretrained without tokenizer.save_pretrained: transformers 5 would make a
+    placeholder vocabulary of five tokens, every word unknown; a one-line error instead."""
+    folder = tmp_path / "model-only"
+    shutil.copytree(tiny_models["bert_fill_mask"], folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    config = parse_args(["--model_dir", str(folder)])
+    with pytest.raises(StartupError, match="no tokenizer in .*tokenizer.save_pretrained") as error:
+        load_tokenizer(load_source(config), config)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_that_fail_in_any_way_are_a_one_line_startup_error(tiny_models, tmp_path):
+    """A truncated safetensors file (an interrupted download) raises safetensors' own error,
+    not an OSError: a one-line error naming it, not a traceback."""
+    folder = tmp_path / "truncated"
+    shutil.copytree(tiny_models["bert_fill_mask"], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    config = parse_args(["--model_dir", str(folder)])
+    source = load_source(config)
+    with pytest.raises(StartupError, match="cannot load the model in") as error:
+        load_pretrained(AutoModelForMaskedLM, source, config, torch.float32)
+    assert "\n" not in str(error.value)
+
+
+def test_a_chat_template_flag_without_jinja_is_a_file_that_must_exist(tmp_path):
+    """As vLLM reads --chat-template: a value with no Jinja characters names a file, whatever
+    its suffix (a file name taken for the template made every prompt that name)."""
+    named = tmp_path / "template.jinja2"
+    named.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(named)) == "{{ messages[0]['content'] }}"
+    with pytest.raises(StartupError, match="cannot read the chat template file tmpl.jnja"):
+        read_chat_template("tmpl.jnja")
+    assert read_chat_template("{{ bos_token }}") == "{{ bos_token }}"
