@@ -530,12 +530,17 @@ LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
 
 
 def build_lora_adapter(
-    base_dir: str | Path, out_dir: str | Path, seed: int, targets: tuple[str, ...] = LORA_TARGETS
+    base_dir: str | Path,
+    out_dir: str | Path,
+    seed: int,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    modules_to_save: tuple[str, ...] = (),
 ) -> Path:
     """A random LoRA adapter (PEFT) for the tiny Llama at ``base_dir``, on the ``targets``
     modules: its A and B matrices both random (``init_lora_weights=False``; PEFT's default B
     of zeros changes nothing) and scaled up, so that greedy text differs from the base model's
-    and from another seed's."""
+    and from another seed's; ``modules_to_save``: modules it replaces whole, their weights
+    changed at random."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -546,6 +551,12 @@ def build_lora_adapter(
         target_modules=list(targets),
         init_lora_weights=False,
         task_type="CAUSAL_LM",
+        modules_to_save=list(modules_to_save) or None,
     )
-    get_peft_model(model, config).save_pretrained(str(out_dir))
+    adapted = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if ".modules_to_save." in name:
+                parameter.add_(torch.randn_like(parameter))
+    adapted.save_pretrained(str(out_dir))
     return Path(out_dir)

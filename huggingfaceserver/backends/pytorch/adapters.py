@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,40 @@ BASE = "__base__"
 class InvalidAdapter(Exception):
     """An adapter that cannot be served; the message names it (a startup error, or a 400 for a
     load at run time)."""
+
+
+UNMIXABLE: tuple[tuple[Callable[[Any], bool], str], ...] = (
+    (
+        lambda config: bool(getattr(config, "use_dora", False)),
+        "DoRA adapters cannot share a batch (PEFT's mixed-adapter batches); merge it into a "
+        "model of its own",
+    ),
+    (
+        lambda config: getattr(config, "bias", "none") not in (None, "none"),
+        "it trains the base model's biases (bias != 'none'), which every request shares; "
+        "merge it into a model of its own",
+    ),
+    (
+        lambda config: str(getattr(config, "init_lora_weights", "")).startswith(
+            ("pissa", "olora", "corda")
+        ),
+        "its initialisation (PiSSA, OLoRA, CorDA) rewrites the base model's weights, which "
+        "every request shares; convert it to a plain LoRA (PEFT's "
+        "path_initial_model_for_weight_conversion) or merge it",
+    ),
+    (
+        lambda config: bool(getattr(config, "target_parameters", None)),
+        "LoRA on parameters (target_parameters) cannot share a batch (PEFT's mixed-adapter "
+        "batches)",
+    ),
+    (
+        lambda config: bool(getattr(config, "alora_invocation_tokens", None)),
+        "an activated LoRA (alora_invocation_tokens) is switched on by tokens of the prompt, "
+        "which the decode steps' forwards do not see",
+    ),
+)
+"""What the adapters PEFT cannot mix in a batch of requests (or that would change the base
+model every request shares) have, and why each is refused (vLLM refuses the same)."""
 
 
 def row_adapter(adapter: str | None) -> str:
@@ -150,6 +184,12 @@ class LoraAdapters:
         distinct = set(adapters)
         return len(distinct) <= 1 or distinct <= self.per_token | {BASE}
 
+    def masks_cover(self, adapters: Iterable[str]) -> bool:
+        """Whether a masked forward (:meth:`forward_masked`) runs these rows' adapters (PEFT's
+        names): each is :data:`BASE` or one of :attr:`per_token` (one other adapter alone,
+        which :meth:`packs`, would run as the base model)."""
+        return set(adapters) <= self.per_token | {BASE}
+
     def forward_tokens(self, adapters: list[str], **inputs: Any) -> Any:
         """The model's forward, token ``i`` of its inputs (flattened, e.g. one packed batch
         row) with adapter ``adapters[i]``; only where :meth:`packs` them."""
@@ -214,7 +254,14 @@ class LoraAdapters:
 
     def _plain(self, name: str) -> bool:
         """Whether every layer of adapter ``name`` is a LoRA linear layer of PEFT's own, with
-        no variant: ``lora_B(lora_A(dropout(x))) * scaling`` added to the base output."""
+        no variant: ``lora_B(lora_A(dropout(x))) * scaling`` added to the base output; and it
+        replaces no module (``modules_to_save``, ``trainable_token_indices``: PEFT's mixed
+        batches pick those per row, which a forward by token as the base model would not)."""
+        config = self.peft_model.peft_config[name]
+        if getattr(config, "modules_to_save", None) or getattr(
+            config, "trainable_token_indices", None
+        ):
+            return False
         linear = self.peft.tuners.lora.Linear
         for layer in self._layers():
             holds = any(
@@ -280,16 +327,14 @@ class LoraAdapters:
             raise InvalidAdapter(f"LoRA adapter {BASE}: PEFT's name for the base model")
         try:
             config = self.peft.PeftConfig.from_pretrained(module.path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError) as exc:  # KeyError: a peft_type PEFT lacks
             raise InvalidAdapter(
-                f"LoRA adapter {module.name}: no PEFT adapter at {module.path} ({exc})"
+                f"LoRA adapter {module.name}: no PEFT adapter at {module.path} ({exc!r})"
             ) from None
         kind = getattr(config.peft_type, "value", config.peft_type)
         if kind != "LORA":
             raise InvalidAdapter(f"LoRA adapter {module.name}: a {kind} adapter, not LoRA")
-        if getattr(config, "use_dora", False):
-            raise InvalidAdapter(
-                f"LoRA adapter {module.name}: DoRA adapters cannot share a batch (PEFT's "
-                "mixed-adapter batches); merge it into a model of its own"
-            )
+        for refused, why in UNMIXABLE:
+            if refused(config):
+                raise InvalidAdapter(f"LoRA adapter {module.name}: {why}")
         return config

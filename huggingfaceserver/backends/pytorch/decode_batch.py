@@ -658,7 +658,7 @@ class ReservedCausalLMBatch(CausalLMBatch):
         if self.masks_for != key:
             self.masks_for = key
             self.masks = None
-            if self.lora.packs(self.lora.served(self.adapters)):
+            if self.lora.masks_cover(self.lora.served(self.adapters)):
                 host = [[[float(row == name)] for row in self.adapters] for name in names]
                 self.masks = to_device(torch.tensor(host, dtype=self.dtype), self.device)
         return names, self.masks

@@ -10,6 +10,8 @@ requests decode."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -494,6 +496,13 @@ def test_a_row_of_an_adapter_not_mixed_per_token_steps_eagerly(with_embedding_ad
         for step in range(3, 5):
             step_pair(graphed, plain, step, backend.vocab_size)
     assert graphs.replayed == 2 and graphs.over is not None and graphs.over[2] == ("sql",)
+    graphed, plain = lora_batch(backend, graphs), lora_batch(backend, None)
+    with torch.inference_mode():
+        for batch in (graphed, plain):  # vocab alone: eager (recorded, it ran as the base)
+            batch.prefill_together([prompt(backend, PROMPTS[1])], [1], ["vocab"])
+        for step in range(2):
+            step_pair(graphed, plain, step, backend.vocab_size)
+    assert graphs.replayed == 2
 
 
 @pytest.mark.gpu
@@ -584,6 +593,59 @@ def test_an_adapter_of_another_model_is_a_startup_error(tiny_models, adapter_dir
     flags = ["--enable-lora", "--lora-modules", f"sql={adapter_dirs['sql']}"]
     with pytest.raises(StartupError, match="LoRA adapter sql .* does not fit LlamaForCausalLM"):
         load(tiny_models["llama64"], *flags)
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "biases"),
+        ({"init_lora_weights": "pissa"}, "rewrites the base model's weights"),
+        ({"target_parameters": ["mlp.gate_proj.weight"]}, "target_parameters"),
+        ({"alora_invocation_tokens": [5, 6]}, "activated LoRA"),
+        ({"peft_type": "NOT_A_PEFT_TYPE"}, "no PEFT adapter"),
+    ],
+)
+def test_adapters_peft_cannot_mix_or_that_change_the_base_are_startup_errors(
+    tiny_models, adapter_dirs, tmp_path, setting, says
+) -> None:
+    """As vLLM refuses them: a trained bias or a PiSSA start changes the base model every
+    request shares, target_parameters fails every forward given adapter_names, an activated
+    LoRA would decode its answer with the base model; a peft_type PEFT lacks was a 500."""
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapter_dirs["sql"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **setting}))
+    with pytest.raises(StartupError, match=f"LoRA adapter sql: .*{says}"):
+        load(tiny_models["llama"], "--enable-lora", "--lora-modules", f"sql={folder}")
+
+
+def test_an_adapter_that_replaces_a_module_is_not_mixed_by_token(
+    tiny_models, adapter_dirs, tmp_path
+) -> None:
+    """``modules_to_save`` (here the LM head): PEFT's mixed batches pick the adapter's own
+    module per row; a forward by token would run the base model's for every row. Beside a
+    base row, each row gets what PEFT gives it alone."""
+    saved = build_lora_adapter(
+        tiny_models["llama"], tmp_path / "saved", 9, modules_to_save=("lm_head",)
+    )
+    backend = load(tiny_models["llama"], *lora_flags({"sql": adapter_dirs["sql"], "saved": saved}))
+    try:
+        lora = backend.lora
+        assert lora.per_token == {"sql"}
+        assert not lora.masks_cover(["saved"]) and not lora.packs(["sql", "saved"])
+        generator = torch.Generator().manual_seed(4)
+        ids = torch.randint(0, backend.vocab_size, (2, 5), generator=generator)
+        with torch.inference_mode():
+            got = lora.forward([BASE, "saved"], input_ids=ids).logits
+        model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+        with torch.no_grad():
+            base = model(input_ids=ids[:1]).logits
+            adapted = PeftModel.from_pretrained(model, saved).eval()(input_ids=ids[1:]).logits
+        torch.testing.assert_close(got[:1], base, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1:], adapted, atol=1e-4, rtol=1e-4)
+    finally:
+        backend.shutdown()
 
 
 def test_a_sequence_to_sequence_model_takes_no_adapter(tiny_models, adapter_dirs) -> None:
