@@ -9,6 +9,7 @@ from .backends import BackendChoice, choose_backend, vllm_installed
 from .backends.base import EncoderBackend, GenerationBackend
 from .cli import ServerConfig
 from .errors import StartupError
+from .generation.defaults import sampling_defaults
 from .generation.reasoning import REASONING_PARSERS
 from .loading import ModelSource, load_source, read_chat_template
 from .protocols.kserve_model import BackendModel, EncoderModel, GenerationModel, RequestLogging
@@ -22,6 +23,8 @@ TRANSFORMERS_ENGINE_FLAGS = frozenset(
         "async-scheduling",
         "no-async-scheduling",
         "kv-cache-memory-bytes",
+        "generation-config",
+        "override-generation-config",
     }
 )
 """vLLM engine flags that the transformers backend honours too (LoRA adapters with PEFT;
@@ -122,6 +125,7 @@ def model_around(
             reasoning=REASONING_PARSERS[config.reasoning_parser]
             if config.reasoning_parser
             else None,
+            sampling_defaults=sampling_defaults(source.path, config),
         )
     # here, not in parsing: it takes the task (only an encoder's model runs on the predictor;
     # a generative model runs here whatever --predictor_host says)

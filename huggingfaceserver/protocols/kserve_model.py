@@ -13,6 +13,7 @@ from kserve.protocol.infer_type import InferRequest, InferResponse
 from ..backends.base import EncoderBackend, GenerationBackend
 from ..cli import ServerConfig
 from ..errors import BadRequest
+from ..generation.defaults import NO_DEFAULTS, SamplingDefaults
 from ..generation.params import SamplingParams
 from ..generation.reasoning import ReasoningFormat
 from ..loading import freeze_loaded_heap
@@ -115,9 +116,13 @@ class GenerationModel(BackendModel):
         max_inputs_per_request: int = ServerConfig.max_inputs_per_request,
         auto_tool_parser: str | None = None,
         reasoning: ReasoningFormat | None = None,
+        sampling_defaults: SamplingDefaults = NO_DEFAULTS,
     ):
         super().__init__(name, task)
         self.backend = backend
+        self.sampling_defaults = sampling_defaults
+        """The model's own sampling settings (its generation config), where a request gives
+        none."""
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         """Render ``chat_template`` sent in requests (sandboxed); refuse it otherwise."""

@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
+from huggingfaceserver.generation.defaults import NO_DEFAULTS, SamplingDefaults
 from huggingfaceserver.generation.params import SamplingParams
 
 from .chat_messages import ChatMessage
@@ -159,24 +160,40 @@ class BaseGenerationRequest(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def given(self, name: str, default: Any) -> Any:
+        """The request's value of a sampling field, or ``default`` where it left it out (or
+        sent null)."""
+        value = getattr(self, name)
+        return default if value is None or name not in self.model_fields_set else value
+
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: SamplingDefaults = NO_DEFAULTS,
     ) -> SamplingParams:
-        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        """``defaults``: the model's own, for the settings the request leaves out."""
+        temperature = self.given("temperature", defaults.temperature)
+        temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
         greedy = temperature < GREEDY_BELOW
+        top_p = self.given("top_p", defaults.top_p)
+        top_k = self.given("top_k", defaults.top_k)
+        min_p = self.given("min_p", defaults.min_p)
+        repetition_penalty = self.given("repetition_penalty", defaults.repetition_penalty)
         return SamplingParams(
             n=1 if self.n is None else self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             temperature=0.0 if greedy else temperature,
             # Greedy decoding ignores the sampling filters: say so rather than pass them on.
-            top_p=1.0 if greedy or self.top_p is None else self.top_p,
-            top_k=0 if greedy else max(self.top_k, 0),
-            min_p=0.0 if greedy else self.min_p,
+            top_p=1.0 if greedy or top_p is None else top_p,
+            top_k=0 if greedy or top_k is None else max(top_k, 0),
+            min_p=0.0 if greedy or min_p is None else min_p,
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             stop=stop_strings(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -238,17 +255,21 @@ class CompletionRequest(BaseGenerationRequest):
         """One entry per prompt: its text, or its token ids."""
         return split_text_or_tokens(self.prompt)
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        """The request as generation settings; ``default_max_tokens`` is the server's default."""
+    def to_sampling_params(
+        self, default_max_tokens: int | None = None, defaults: SamplingDefaults = NO_DEFAULTS
+    ) -> SamplingParams:
+        """The request as generation settings; ``default_max_tokens`` is the server's default,
+        ``defaults`` the model's own (its generation config's, where the request leaves a
+        setting out)."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = default_max_tokens
+            max_tokens = default_max_tokens or defaults.max_tokens
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         # echo with logprobs scores the prompt as vLLM does: with prompt_logprobs' top count,
         # else logprobs'
         scored = self.logprobs if self.echo_logprobs else None
-        return self._sampling_params(max_tokens, self.logprobs, scored)
+        return self._sampling_params(max_tokens, self.logprobs, scored, defaults)
 
 
 class ChatConversation(BaseModel):
@@ -332,13 +353,17 @@ class ChatCompletionRequest(ChatConversation, BaseGenerationRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        """The request as generation settings; ``default_max_tokens`` is the server's default.
+    def to_sampling_params(
+        self, default_max_tokens: int | None = None, defaults: SamplingDefaults = NO_DEFAULTS
+    ) -> SamplingParams:
+        """The request as generation settings; ``default_max_tokens`` is the server's default,
+        ``defaults`` the model's own (its generation config's, where the request leaves a
+        setting out).
 
         Without either, generation runs up to the context length (``max_tokens=None``).
         """
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:
-            max_tokens = default_max_tokens
+            max_tokens = default_max_tokens or defaults.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults=defaults)

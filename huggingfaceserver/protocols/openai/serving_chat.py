@@ -45,7 +45,7 @@ async def create_chat_completion(
     tools = plan_tools(
         request.tools, request.tool_choice, request.parallel_tool_calls, model.auto_tool_parser
     )
-    params = with_tool_plan(request.to_sampling_params(), tools)
+    params = with_tool_plan(request.to_sampling_params(defaults=model.sampling_defaults), tools)
     reasoning, params = plan_reasoning(model.reasoning, request, params)
     prompt = await prepare_chat(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, [prompt], params, "messages", adapter)

@@ -39,7 +39,7 @@ async def create_completion(
     models: ServedModels, request: CompletionRequest, raw: Request
 ) -> Response:
     model, backend, adapter = resolve_generation(models, request.model, "/v1/completions")
-    params = request.to_sampling_params()
+    params = request.to_sampling_params(defaults=model.sampling_defaults)
     prompts = await prepare_completion(backend, model, request)
     jobs = await plan_jobs_off_loop(backend, prompts, params, "prompt", adapter)
     run = GenerationRun.start(

@@ -97,7 +97,7 @@ async def create_response(
     tools = plan_tools(
         chat.tools, chat.tool_choice, chat.parallel_tool_calls, model.auto_tool_parser
     )
-    params = with_tool_plan(chat.to_sampling_params(), tools)
+    params = with_tool_plan(chat.to_sampling_params(defaults=model.sampling_defaults), tools)
     reasoning, params = plan_reasoning(model.reasoning, chat, params)
     prompt = await prepare_chat(backend, model, chat)
     [job] = await plan_jobs_off_loop(backend, [prompt], params, "input", adapter)
