@@ -11,6 +11,13 @@ in KServe's error shape (no route is known before the headers) and the connectio
 The body has a deadline of its own in the gateway, counted once the headers are in (both are
 ``--request_read_timeout_seconds``).
 
+Nor does uvicorn bound how long a response may wait for a client that reads none of it: a
+handler blocks in ``send`` while the connection's buffer is full, holding its admission slot
+(or, its response all written, the buffer holds the memory) for as long as the client
+stalls. A connection whose writes stay paused (the transport's buffer over its high-water
+mark) for the same deadline is aborted: its handler sees the client gone, its slot and
+buffers are freed.
+
 httptools has no bound on the headers' size either: a client streaming headers (or one endless
 value) within the deadline would have them kept, and parsed on the event loop, by the
 megabyte. A request line and headers past :data:`MAX_HEADER_BYTES` get a 431 and the connection
@@ -20,12 +27,15 @@ is closed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import HeadersTooLarge, ReadTimeout, ServerError
 from .http_errors import KSERVE, json_body
+
+logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 """The most a request line and its headers may take (nginx takes 32 KiB, Node 16 KiB)."""
@@ -73,6 +83,11 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     """Bytes received since the request's headers began (while :attr:`header_deadline` runs)."""
     refused = False
     """Whether the headers were refused (431): the connection is closing."""
+    completed_here = False
+    """Whether a request's headers ended in the bytes being parsed (pipelined requests: many
+    in one read, none of them counted against the next one's size)."""
+    write_deadline: asyncio.TimerHandle | None = None
+    """While writes are paused (the client does not read): when the connection is aborted."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -81,9 +96,13 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return  # what the client still sends after the 431: dropped unparsed
+        self.completed_here = False
         super().data_received(data)
         if self.header_deadline is None or self.transport.is_closing():
             return  # not in a request's headers (its body, or between requests)
+        if self.completed_here:  # headers ended in this chunk: the next ones start in it
+            self.header_bytes = 0
+            return
         self.header_bytes += len(data)
         if self.header_bytes > MAX_HEADER_BYTES:
             self.refuse_headers()
@@ -95,8 +114,6 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self.disarm_header_deadline()
         self.refused = True
         self.transport.write(TOO_LARGE)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
     def on_message_begin(self) -> None:
@@ -105,11 +122,40 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.disarm_header_deadline()
+        self.completed_here = True
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm_header_deadline()
+        self.resume_writing_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_deadline is None:
+            self.write_deadline = asyncio.get_running_loop().call_later(
+                self.header_timeout_s, self.writes_stalled
+            )
+
+    def resume_writing(self) -> None:
+        self.resume_writing_deadline()
+        super().resume_writing()
+
+    def resume_writing_deadline(self) -> None:
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
+
+    def writes_stalled(self) -> None:
+        """The client read none of what was written for the whole deadline: abort (closing
+        would wait for the buffer it does not read)."""
+        self.write_deadline = None
+        logger.info(
+            "a client read nothing of its response for %g s (--request_read_timeout_seconds): "
+            "connection aborted",
+            self.header_timeout_s,
+        )
+        self.transport.abort()
 
     def arm_header_deadline(self) -> None:
         if self.header_deadline is None:

@@ -246,3 +246,24 @@ def test_a_response_before_the_body_is_read_closes_the_connection(server, reques
     status = head.split(b"\r\n", 1)[0]
     assert status in (b"http/1.1 200 ok", b"http/1.1 413 request entity too large")
     assert b"\r\nconnection: close" in head
+
+
+def test_a_client_that_reads_none_of_its_answers_is_disconnected_at_the_deadline(server):
+    """Pipelined requests whose answers the client never reads: the server's writes stay
+    paused, and at --request_read_timeout_seconds the connection is aborted (it was held, and
+    a handler blocked in it, for as long as the client liked); the server serves meanwhile."""
+    pid = server.process.pid
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+    sock.settimeout(READ_TIMEOUT_S + 30)
+    sock.connect(("127.0.0.1", server.http_port))
+    try:
+        assert wait_until(lambda: accepted(pid, [sock]) == 1, 30)
+        started = time.monotonic()
+        with contextlib.suppress(OSError):  # the server stops reading, then aborts
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\n\r\n" * 20000)
+        assert httpx.get(f"{server.url}/v2/health/live", timeout=30).status_code == 200
+        assert wait_until(lambda: accepted(pid, [sock]) == 0, READ_TIMEOUT_S + 30)
+        assert time.monotonic() - started >= READ_TIMEOUT_S - 1  # at the deadline, not before
+    finally:
+        sock.close()
