@@ -173,6 +173,14 @@ def test_an_adapter_loaded_at_run_time_is_served_until_unloaded(runtime_server, 
     assert complete(client, "sql", PROMPTS[1]).choices[0].text == peft_text(ids, "sql")
     again = post(runtime_server, "load_lora_adapter", {"lora_name": "sql", "lora_path": "chat"})
     assert again.status_code == 400 and "already been loaded" in again.text
+    replaced = post(  # vLLM's load_inplace: the name now serves the other adapter
+        runtime_server,
+        "load_lora_adapter",
+        {"lora_name": "sql", "lora_path": "chat", "load_inplace": True},
+    )
+    assert replaced.status_code == 200, replaced.text
+    assert [model.id for model in client.models.list()] == ["llama", "sql"]
+    assert complete(client, "sql", PROMPTS[1]).choices[0].text == peft_text(ids, "chat")
     unloaded = post(runtime_server, "unload_lora_adapter", {"lora_name": "sql"})
     assert unloaded.status_code == 200, unloaded.text
     assert [model.id for model in client.models.list()] == ["llama"]

@@ -510,13 +510,21 @@ class TransformersGenerator(GenerationBackend):
             self.lora.add(module)
         except InvalidAdapter as exc:
             raise BadRequest(str(exc)) from None
+        if self.graphs is not None:
+            self.graphs.forget()
+
+    def _remove(self, name: str) -> None:
+        assert self.lora is not None
+        self.lora.remove(name)
+        if self.graphs is not None:
+            self.graphs.forget()
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving an adapter loaded at startup or at run time, and take it out of the
         model: 404 for an unknown name, 409 while requests use it."""
         self.adapters.begin_unload(name)
         assert self.lora is not None
-        await asyncio.to_thread(self.batcher.run_on_loop, partial(self.lora.remove, name))
+        await asyncio.to_thread(self.batcher.run_on_loop, partial(self._remove, name))
 
     def shutdown(self) -> None:
         """Stop serving for good (an unload, or the server stopping), when the model was

@@ -186,6 +186,14 @@ class StepGraphs:
         self.replayed = 0
         """Decode steps run from a recorded graph so far."""
 
+    def forget(self) -> None:
+        """Let the recorded steps go: the LoRA adapters they compute changed (one loaded or
+        unloaded, perhaps under a name used before, whose weights a recorded step would still
+        read where they were); the next step records anew."""
+        self.over = None
+        self.replays.clear()
+        self.inputs.clear()
+
     def records_over(self, cache: ReservedCache, adapters: tuple[str, ...] | None = None) -> bool:
         """Whether the graphs recorded so far write into this cache's buffers as they are
         (and compute these LoRA adapters, where given)."""

@@ -26,6 +26,9 @@ class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    """vLLM's: replace an adapter already loaded under this name (unloaded first: a 409 while
+    requests use it)."""
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -49,6 +52,9 @@ def served(models: ServedModels, route: str) -> tuple[BackendModel, GenerationBa
 
 async def load_lora_adapter(models: ServedModels, body: LoadLoraAdapterRequest) -> Response:
     model, backend = served(models, "/v1/load_lora_adapter")
+    if body.load_inplace and body.lora_name in backend.adapters:
+        await backend.unload_adapter(body.lora_name)
+        models.registry.get_models().pop(body.lora_name, None)
     await backend.load_adapter(body.lora_name, body.lora_path)
     models.registry.update(model, body.lora_name)
     logger.info("LoRA adapter %s loaded at run time: a model of its own", body.lora_name)

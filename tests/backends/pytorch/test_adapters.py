@@ -479,6 +479,12 @@ def test_recorded_steps_of_rows_of_several_adapters_equal_the_eager_ones(served)
     assert graphs.broken is None and graphs.replayed == 9
     assert graphs.over is not None and graphs.over[2] == ("sql", "chat")
     assert counter.total == 0, counter.counts  # the masks made once, on their way ahead
+    recorded = graphs.recordings
+    graphs.forget()  # as loading or unloading an adapter does: its name may come back
+    assert graphs.over is None and not graphs.replays
+    with torch.inference_mode():
+        step_pair(graphed, plain, 9, vocab)
+    assert graphs.recordings == recorded + 1 and graphs.over[2] == ("sql", "chat")
 
 
 def test_a_row_of_an_adapter_not_mixed_per_token_steps_eagerly(with_embedding_adapter) -> None:
