@@ -52,6 +52,18 @@ PADDING_OFFSET_POSITIONS: dict[str, int | None] = {
 WEIGHT_FORMATS = ((".safetensors",), (".bin", ".pt", ".pth"))
 """Weight files by format, as transformers and vLLM prefer them: safetensors where there are,
 else PyTorch's pickles. A folder with both holds the same weights twice and loads one set."""
+TRAINING_STATE = frozenset(
+    {
+        "training_args.bin",
+        "optimizer.bin",
+        "optimizer.pt",
+        "scheduler.pt",
+        "scaler.pt",
+        "rng_state.pth",
+    }
+)
+"""What a Trainer checkpoint keeps beside the weights (no weights: an optimizer's state is
+twice their size), left out as vLLM leaves them out."""
 INDEX_SUFFIX = ".index.json"
 """A sharded checkpoint's index (``model.safetensors.index.json``): its ``weight_map`` names
 the shards that are loaded (a folder may keep a consolidated copy beside them)."""
@@ -140,11 +152,11 @@ def stored_dtype(config: PretrainedConfig) -> str | None:
 
 def weight_bytes(folder: Path) -> int:
     """The size of the weight files loaded from ``folder``: its safetensors files where it has
-    some, else its ``.bin``, ``.pt`` and ``.pth`` files; of a sharded checkpoint, the shards its
-    index names. 0: no weight files."""
+    some, else its ``.bin``, ``.pt`` and ``.pth`` files (a Trainer's :data:`TRAINING_STATE` left
+    out); of a sharded checkpoint, the shards its index names. 0: no weight files."""
     for suffixes in WEIGHT_FORMATS:
         files = [path for path in folder.iterdir() if path.name.endswith(suffixes)]
-        files = [path for path in files if path.is_file()]
+        files = [path for path in files if path.is_file() and path.name not in TRAINING_STATE]
         if files:
             indexed = indexed_shards(folder, suffixes)
             files = [path for path in files if path.name in indexed] or files

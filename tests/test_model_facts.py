@@ -172,6 +172,11 @@ def files(folder: Path, sizes: dict[str, int]) -> Path:
         ({"model.safetensors": 100, "pytorch_model.bin": 700}, 100),  # one set: safetensors
         ({"model.safetensors": 100, "model.pt": 700}, 100),
         ({"onnx/model.onnx": 900, "model.safetensors": 100}, 100),
+        (  # a Trainer checkpoint: its optimizer's and scheduler's state are no weights
+            {"pytorch_model.bin": 700, "optimizer.pt": 1400, "scheduler.pt": 1},
+            700,
+        ),
+        ({"pytorch_model.bin": 700, "training_args.bin": 5, "rng_state.pth": 14}, 700),
     ],
 )
 def test_the_weights_loaded_are_counted_once(tmp_path, sizes, expected):
