@@ -23,11 +23,55 @@ complete a character, characters of the run that were emitted before included: t
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+SPACE_MARKERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, str | None] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each tokenizer's :func:`space_marker`, read once."""
+
+
+def space_marker(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The replacement character of a Metaspace pre-tokenizer (SentencePiece's ``▁``: T5's,
+    Mistral v0.3's), whose leading instances a token decoded alone loses; None for other
+    tokenizers (byte-level, WordPiece), whose tokens decode alone as they read."""
+    if tokenizer in SPACE_MARKERS:
+        return SPACE_MARKERS[tokenizer]
+    marker = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        for step in steps:
+            if isinstance(step, dict) and step.get("type") == "Metaspace":
+                marker = step.get("replacement", "\u2581")
+                break
+    SPACE_MARKERS[tokenizer] = marker
+    return marker
+
+
+def token_texts(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[str]:
+    """Each token's own text, as vLLM shows tokens in logprobs: decoded alone, with the leading
+    spaces that a SentencePiece tokenizer's decode strips from a lone token put back
+    (``▁Paris`` is `` Paris``, not ``Paris``)."""
+    texts = [str(tokenizer.decode([token]) or "") for token in ids]
+    marker = space_marker(tokenizer)
+    if marker is None:
+        return texts
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    restored = []
+    for piece, text in zip(pieces, texts, strict=True):
+        markers = len(piece) - len(piece.lstrip(marker)) if isinstance(piece, str) else 0
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        restored.append(" " * missing + text if missing > 0 else text)
+    return restored
 
 
 def find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str] | None:

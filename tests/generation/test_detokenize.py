@@ -21,6 +21,7 @@ from huggingfaceserver.generation.detokenize import (
     IncrementalDetokenizer,
     find_stop,
     partial_stop_length,
+    token_texts,
 )
 from tiny_models import CORPUS
 
@@ -140,6 +141,20 @@ def test_find_stop() -> None:
     assert find_stop("abcabc", ["c", "bc"], 0) == (1, "bc")
     assert find_stop("abcabc", ["c"], 3) == (5, "c")
     assert find_stop("abc", ["x"], 0) is None
+
+
+def test_a_sentencepiece_tokens_text_keeps_its_leading_space(tokenizers) -> None:
+    """A token decoded alone loses the space its ``▁`` stands for (T5's Metaspace): logprobs
+    show it, as vLLM's do; byte-level and WordPiece tokens read as decoded."""
+    t5 = tokenizers["t5"]
+    ids = encode(t5, "the capital of france")
+    assert [t5.decode([token]) for token in ids][:3] == ["the", "capital", "of"]
+    assert token_texts(t5, ids)[:3] == [" the", " capital", " of"]
+    assert "".join(token_texts(t5, ids)) == " " + t5.decode(ids)
+    for name in ("gpt2", "bert_fill_mask"):
+        tokenizer = tokenizers[name]
+        ids = encode(tokenizer, PARIS)
+        assert token_texts(tokenizer, ids) == [tokenizer.decode([token]) for token in ids]
 
 
 def test_partial_stop_length() -> None:

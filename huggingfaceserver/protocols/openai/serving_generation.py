@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...backends.base import GenerationBackend
 from ...errors import ClientClosedRequest, ServerError, internal_error_message, log_unexpected
+from ...generation.detokenize import token_texts
 from ...generation.params import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
 from ...observability.request_ids import request_id_in
 from .bodies import JSONBody, new_id, now, to_json
@@ -196,14 +197,12 @@ def logprob_texts(
     tokenizer: PreTrainedTokenizerBase, logprobs: list[TokenLogprob]
 ) -> list[TokenLogprobText]:
     """Token ids to the token strings OpenAI's logprob formats show."""
-    return [
-        TokenLogprobText(
-            decode(tokenizer, [lp.token_id]),
-            lp.logprob,
-            [(decode(tokenizer, [alt]), alt_lp) for alt, alt_lp in lp.top],
-        )
-        for lp in logprobs
-    ]
+    entries = []
+    for lp in logprobs:
+        token, *alternatives = token_texts(tokenizer, [lp.token_id, *(alt for alt, _ in lp.top)])
+        top = [(text, alt_lp) for text, (_, alt_lp) in zip(alternatives, lp.top, strict=True)]
+        entries.append(TokenLogprobText(token, lp.logprob, top))
+    return entries
 
 
 def echoed_logprob_texts(
@@ -215,7 +214,7 @@ def echoed_logprob_texts(
     """An echoed prompt's tokens for the completions logprobs format: the first without a
     logprob, the others with theirs and their top ``num_top`` alternatives (blocking)."""
     assert scored is not None and len(scored) == len(prompt_ids), "the prompt was not scored"
-    texts = [TokenLogprobText(decode(tokenizer, [prompt_ids[0]]), None, None)]
+    texts = [TokenLogprobText(token_texts(tokenizer, prompt_ids[:1])[0], None, None)]
     texts += logprob_texts(
         tokenizer, [replace(entry, top=entry.top[:num_top]) for entry in scored[1:] if entry]
     )
@@ -229,7 +228,7 @@ def prompt_logprobs_json(
     {"logprob", "rank", "decoded_token"}}`` for the token and its top alternatives (blocking)."""
 
     def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-        text = decode(tokenizer, [token_id])
+        [text] = token_texts(tokenizer, [token_id])
         return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": text}
 
     out: list[dict[str, dict[str, Any]] | None] = []
