@@ -280,3 +280,13 @@ def read_pod_limits(root: Path = Path("/"), affinity: int | None = None) -> PodL
     if memory is None:
         return PodLimits(cores, None, cores_source)
     return PodLimits(cores, memory.limit, cores_source, f"cgroup v{memory.version}")
+
+
+def threads_within(threads: int, root: Path = Path("/"), affinity: int | None = None) -> int:
+    """``threads`` (a runtime's own count of intra-op threads: torch's, from the CPU affinity)
+    no more than the pod's cores: a ``cpu: 2`` limit on a 64-core node leaves 2 (more threads
+    than the quota runs are throttled by it, every forward waiting on the slowest). Where
+    ``OMP_NUM_THREADS`` is set: as given."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return threads
+    return max(1, min(threads, read_pod_limits(root, affinity).cores))

@@ -21,6 +21,7 @@ from huggingfaceserver.pod import (
     limit_folders,
     process_cgroups,
     read_pod_limits,
+    threads_within,
 )
 from tests.harness import REPO, ServerProcess, free_port
 
@@ -427,3 +428,21 @@ def test_a_server_in_a_limited_cgroup_logs_the_limits_it_read(
         "auto: no CUDA device (pod: 1 core from cgroup v1 cpu quota (1.0 CPUs), memory limit "
         "3.0 GiB from cgroup v1)"
     ), reason
+
+
+# --- intra-op threads ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "threads", "kept"), [("200000 100000", 64, 2), ("max 100000", 8, 8)]
+)
+def test_a_runtimes_threads_are_kept_within_the_cpu_quota(
+    tmp_path, monkeypatch, cpu_max, threads, kept
+):
+    """torch counts the node's cores in the CPU affinity: under a 2-CPU quota 64 threads would
+    be throttled by it; OMP_NUM_THREADS, where set, is as given."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    root = v2(tmp_path, cpu_max, None)
+    assert threads_within(threads, root, affinity=64) == kept
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+    assert threads_within(threads, root, affinity=64) == threads

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import BatchEncoding
 
+from ...pod import threads_within
 from . import OnnxUnavailable
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,9 @@ worker keeps a core busy between forward passes, a core the HTTP side and the to
 
 def intra_op_threads() -> int:
     """The cores a forward pass may use: torch's own count (the cores of the process's
-    affinity, or ``OMP_NUM_THREADS``), the rule the torch backend starts from."""
-    return max(1, torch.get_num_threads())
+    affinity, or ``OMP_NUM_THREADS``) within the pod's CPU quota, the rule the torch backend
+    starts from."""
+    return threads_within(max(1, torch.get_num_threads()))
 
 
 def session_options(threads: int, spin: bool = SPIN) -> Any:

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from ...pod import threads_within
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -112,9 +114,12 @@ class ThreadDecision:
 def calibrate_cpu_threads(forward: Callable[[], object]) -> ThreadDecision:
     """Keep torch's intra-op threads only where they pay: for a small model they barely speed a
     forward up while their OpenMP workers spin between operations, a core busy for nothing
-    that the HTTP side needs. Leaves the setting alone when ``OMP_NUM_THREADS`` is set or there
-    is one core."""
-    threads = torch.get_num_threads()
+    that the HTTP side needs. Never more than the pod's CPU quota runs
+    (:func:`~huggingfaceserver.pod.threads_within`). Leaves the setting alone when
+    ``OMP_NUM_THREADS`` is set or there is one core."""
+    threads = threads_within(torch.get_num_threads())
+    if threads != torch.get_num_threads():  # the pod's CPU quota: no more threads than it runs
+        torch.set_num_threads(threads)
     if "OMP_NUM_THREADS" in os.environ or threads < 2:
         return ThreadDecision(threads, threads, False, "OMP_NUM_THREADS or one core")
     timings = time_thread_counts(forward, threads)
