@@ -6,6 +6,7 @@ raises for the same rule, ended by :func:`.grpc_errors.grpc_status` as every err
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +16,15 @@ import grpc
 from grpc import aio
 from grpc.aio import ServerInterceptor
 
-from ..errors import NotFound, NotReady, ServerError, TooManyRequests, Unauthorized, Unimplemented
+from ..errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotReady,
+    ServerError,
+    TooManyRequests,
+    Unauthorized,
+    Unimplemented,
+)
 from ..observability import request_notes
 from ..observability.request_ids import client_request_id, new_request_id
 from .admission import Admission
@@ -56,12 +65,16 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
         api_key: str | None,
         enable_repository: bool,
         log_calls: bool = True,
+        timeout_s: float | None = None,
     ):
         self.admission = admission
         self.state = state
         self.key = api_key.encode() if api_key else None
         self.enable_repository = enable_repository
         self.log_calls = log_calls
+        self.timeout_s = timeout_s
+        """``--request_timeout_seconds``: past it a call ends DEADLINE_EXCEEDED and its work is
+        cancelled, as an HTTP request gets its 504."""
 
     async def intercept_service(
         self,
@@ -155,7 +168,15 @@ class PolicyInterceptor(ServerInterceptor):  # type: ignore[misc]
             return await inner(request, context)
         if not self.admission.try_enter():
             raise TooManyRequests(self.admission.refusal(), headers=RETRY_LATER)
+        deadline = asyncio.timeout(self.timeout_s)
         try:
-            return await inner(request, context)
+            async with deadline:
+                return await inner(request, context)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise DeadlineExceeded(
+                f"the request took longer than {self.timeout_s:g} s (--request_timeout_seconds)"
+            ) from None
         finally:
             self.admission.leave()

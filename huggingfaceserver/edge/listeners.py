@@ -134,6 +134,8 @@ class Rules:
     api_key: str | None = None
     enable_repository: bool = False
     log_requests: bool = True
+    request_timeout_s: float | None = None
+    """``--request_timeout_seconds``: a gRPC call's deadline as an HTTP request's (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,12 @@ def grpc_server(
 ) -> aio.Server:
     """KServe's gRPC servicer behind our rules' interceptor, which also maps its errors."""
     policy = PolicyInterceptor(
-        rules.admission, rules.state, rules.api_key, rules.enable_repository, rules.log_requests
+        rules.admission,
+        rules.state,
+        rules.api_key,
+        rules.enable_repository,
+        rules.log_requests,
+        rules.request_timeout_s,
     )
     server = aio.server(
         futures.ThreadPoolExecutor(max_workers=options.max_threads),

@@ -245,6 +245,7 @@ def serve_model(
         config.api_key,
         config.enable_model_repository,
         not config.disable_log_requests,
+        config.request_timeout_seconds,
     )
     repository = (
         repository_for(registry, model, rebuild, loader)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -62,10 +63,10 @@ class Served:
     state: ServerState
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[Served]:
+@asynccontextmanager
+async def serving(timeout_s: float | None = None) -> AsyncIterator[Served]:
     servicer, admission, state = Servicer(), Admission(1), ServerState()
-    policy = PolicyInterceptor(admission, state, KEY, enable_repository=False)
+    policy = PolicyInterceptor(admission, state, KEY, False, timeout_s=timeout_s)
     server = grpc.aio.server(interceptors=(policy,))
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -73,6 +74,12 @@ async def served() -> AsyncIterator[Served]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield Served(pb_grpc.GRPCInferenceServiceStub(channel), servicer, admission, state)
     await server.stop(None)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    async with serving() as served:
+        yield served
 
 
 async def refused(call) -> grpc.aio.AioRpcError:
@@ -116,6 +123,19 @@ async def test_an_id_that_could_forge_a_log_line_is_logged_as_a_new_one(served, 
     assert len(lines) == 2
     for line in lines:
         assert re.fullmatch(r"grpc [0-9a-f-]{36} ModelInfer OK [\d.]+ ms", line), line
+
+
+async def test_a_call_past_the_request_timeout_ends_deadline_exceeded_and_frees_its_slot():
+    """As an HTTP request gets its 504 at --request_timeout_seconds: the call ends
+    DEADLINE_EXCEEDED, its work is cancelled and its admission slot is free again."""
+    async with serving(timeout_s=0.2) as served:
+        served.servicer.hold.clear()  # the servicer never answers
+        error = await refused(infer(served, "slow"))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "--request_timeout_seconds" in (error.details() or "")
+        assert served.admission.held == 0
+        served.servicer.hold.set()
+        assert (await infer(served, "next")).id == "next"
 
 
 async def test_a_model_version_is_not_found_before_the_servicer(served):
