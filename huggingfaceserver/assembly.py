@@ -125,7 +125,7 @@ def model_around(
             reasoning=REASONING_PARSERS[config.reasoning_parser]
             if config.reasoning_parser
             else None,
-            sampling_defaults=sampling_defaults(source.path, config),
+            sampling_defaults=sampling_defaults(source.path, *generation_flags(config)),
         )
     # here, not in parsing: it takes the task (only an encoder's model runs on the predictor;
     # a generative model runs here whatever --predictor_host says)
@@ -139,6 +139,17 @@ def model_around(
         logging_,
         max_inputs_per_request=config.max_inputs_per_request,
     )
+
+
+GENERATION_FLAGS = (("generation-config", "auto"), ("override-generation-config", "{}"))
+"""vLLM's flags of the model's sampling defaults, and their defaults."""
+
+
+def generation_flags(config: ServerConfig) -> tuple[str, str]:
+    """``--generation-config`` and ``--override-generation-config`` as given (the last of
+    each), or their defaults."""
+    source, overrides = (config.engine_flags.get(name, [d])[-1] for name, d in GENERATION_FLAGS)
+    return source, overrides
 
 
 def check_choice(config: ServerConfig, choice: BackendChoice) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cli import ServerConfig
 from ..errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -80,15 +79,14 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def sampling_defaults(folder: Path, config: ServerConfig) -> SamplingDefaults:
-    """The defaults the model's folder (or ``--generation-config``) and
-    ``--override-generation-config`` set, logged where there are any."""
-    flags = config.engine_flags
-    source = (flags.get("generation-config") or ["auto"])[-1]
+def sampling_defaults(
+    folder: Path, source: str = "auto", overrides: str = "{}"
+) -> SamplingDefaults:
+    """The defaults the model's folder (or ``--generation-config``'s ``source``) and
+    ``--override-generation-config``'s ``overrides`` set, logged where there are any."""
     values: dict[str, Any] = {}
     if source != "vllm":
         values = read_json((folder if source == "auto" else Path(source)) / GENERATION_CONFIG)
-    overrides = (flags.get("override-generation-config") or ["{}"])[-1]
     try:
         override = json.loads(overrides)
     except ValueError:

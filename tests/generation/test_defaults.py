@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from huggingfaceserver.assembly import generation_flags
 from huggingfaceserver.cli import parse_args
 from huggingfaceserver.errors import StartupError
 from huggingfaceserver.generation.defaults import NO_DEFAULTS, SamplingDefaults, sampling_defaults
@@ -38,7 +39,9 @@ def folder_with(tmp_path: Path, settings: dict) -> Path:
 
 
 def defaults_for(folder: Path, *flags: str) -> SamplingDefaults:
-    return sampling_defaults(folder, parse_args(["--model_dir", str(folder), *flags]))
+    """The model's defaults as the server reads them with these flags."""
+    config = parse_args(["--model_dir", str(folder), *flags])
+    return sampling_defaults(folder, *generation_flags(config))
 
 
 def test_the_folders_generation_config_gives_the_defaults(tmp_path):
